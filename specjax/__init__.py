@@ -1,0 +1,29 @@
+"""specjax: lossless speculative decoding in JAX/XLA (CPU, GPU, TPU)."""
+
+from specjax.errors import (
+    DrafterError,
+    InvalidPromptError,
+    InvalidSamplingError,
+    ModelLoadError,
+    SpecjaxError,
+)
+from specjax.generate import GenerationResult, GenerationStats, generate
+from specjax.models.config import LlamaConfig
+from specjax.models.loading import Model, load_model
+from specjax.sampling import SamplingParams
+
+__all__ = [
+    "DrafterError",
+    "GenerationResult",
+    "GenerationStats",
+    "InvalidPromptError",
+    "InvalidSamplingError",
+    "LlamaConfig",
+    "Model",
+    "ModelLoadError",
+    "SamplingParams",
+    "SpecjaxError",
+    "generate",
+    "load_model",
+]
+__version__ = "0.1.0"

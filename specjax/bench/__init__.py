@@ -1,0 +1,1 @@
+"""Benchmarks behind `specjax bench` (never timed unit tests)."""

@@ -1,0 +1,112 @@
+"""`specjax bench plain`: throughput of the target alone.
+
+Reports, for each batch size: decode tokens/s, prefill tokens/s, peak memory; at batch 1 the
+fraction of the memory roofline (weight bytes x tokens/s / copy bandwidth measured in this run);
+and the cost of one forward pass over T = 1, 2, 4, ... tokens relative to T = 1, the ratio the
+speculative loop lives on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from rich.console import Console
+from rich.table import Table
+
+from specjax.bench.common import copy_bandwidth_gbs, peak_memory_mb, timed
+from specjax.engine import Engine
+from specjax.models.loading import load_model
+from specjax.sampling import SamplingParams
+
+
+def forward_costs(model, ts: list[int], context: int, repeats: int) -> dict[int, float]:
+    """Median seconds of one cached forward of T tokens at batch 1 (prefix of `context` tokens)."""
+    size = context + max(ts) + 128
+    out = {}
+    for t in ts:
+        def fwd(params, tokens, cache):
+            m = nnx.merge(model.graphdef, params)
+            logits, cache, _ = m(tokens, cache)
+            return logits, cache
+
+        f = jax.jit(fwd)
+        m = model.module()
+        cache = m.new_cache(1, size).with_lengths(jnp.asarray([context], jnp.int32))
+        tokens = jnp.ones((1, t), jnp.int32)
+        jax.block_until_ready(f(model.params, tokens, cache))
+        out[t] = timed(lambda: jax.block_until_ready(f(model.params, tokens, cache)), repeats * 3)
+    return out
+
+
+def run_plain_bench(model_path=None, dtype=None, batch_sizes=(1, 8, 32), max_new_tokens=64, prompt_len=128,
+                    forward_ts=(1, 2, 4, 8, 16), repeats=3, json_out=None, console=None) -> dict:
+    console = console or Console(stderr=True)
+    model = load_model(model_path, dtype=dtype)
+    engine = Engine(model)
+    bw = copy_bandwidth_gbs()
+    wbytes = model.weight_bytes()
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in batch_sizes:
+        prompts = [rng.integers(100, model.config.vocab_size, prompt_len).tolist() for _ in range(b)]
+        params = [SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)] * b
+        engine.generate(prompts, params)  # compile + warm-up, excluded
+        runs = [engine.generate(prompts, params)[0] for _ in range(repeats)]
+        decode_s = float(np.median([r.decode_seconds for r in runs]))
+        prefill_s = float(np.median([r.prefill_seconds for r in runs]))
+        decode_tps = b * (max_new_tokens - 1) / decode_s  # first token comes from the prefill
+        row = {
+            "batch_size": b,
+            "decode_tokens_per_second": decode_tps,
+            "prefill_tokens_per_second": b * prompt_len / prefill_s,
+            "decode_seconds": decode_s,
+            "prefill_seconds": prefill_s,
+            "peak_memory_mb": peak_memory_mb(),
+        }
+        if b == 1:
+            row["roofline_fraction"] = wbytes * decode_tps / (bw * 1e9)
+        rows.append(row)
+        console.log(f"batch {b}: decode {decode_tps:.1f} tok/s, prefill {row['prefill_tokens_per_second']:.0f} tok/s")
+    costs = forward_costs(model, list(forward_ts), prompt_len, repeats)
+    result = {
+        "model": model.name,
+        "dtype": str(model.dtype),
+        "backend": jax.default_backend(),
+        "weight_bytes": wbytes,
+        "copy_bandwidth_gbs": bw,
+        "roofline_tokens_per_second": bw * 1e9 / wbytes,
+        "prompt_len": prompt_len,
+        "max_new_tokens": max_new_tokens,
+        "compile_seconds": engine.compile_seconds,
+        "batches": rows,
+        "forward_seconds": {str(t): s for t, s in costs.items()},
+        "forward_cost_vs_t1": {str(t): s / costs[min(costs)] for t, s in costs.items()},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    table = Table(title=f"plain decoding — {model.name} ({result['dtype']}, {result['backend']})")
+    for col in ("batch", "decode tok/s", "prefill tok/s", "peak MB", "roofline"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        rf = f"{100 * r['roofline_fraction']:.0f}%" if "roofline_fraction" in r else ""
+        table.add_row(str(r["batch_size"]), f"{r['decode_tokens_per_second']:.1f}",
+                      f"{r['prefill_tokens_per_second']:.0f}", f"{r['peak_memory_mb']:.0f}", rf)
+    out = Console()
+    out.print(table)
+    t2 = Table(title="forward cost of T tokens vs T = 1 (batch 1)")
+    t2.add_column("T", justify="right")
+    t2.add_column("ms", justify="right")
+    t2.add_column("x T=1", justify="right")
+    for t, s in costs.items():
+        t2.add_row(str(t), f"{1e3 * s:.1f}", f"{result['forward_cost_vs_t1'][str(t)]:.2f}")
+    out.print(t2)
+    out.print(f"copy bandwidth {bw:.1f} GB/s; weights {wbytes / 1e6:.0f} MB; "
+              f"roofline {result['roofline_tokens_per_second']:.1f} tok/s at batch 1")
+    if json_out:
+        with open(json_out, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return result

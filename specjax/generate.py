@@ -1,0 +1,158 @@
+"""Public generation API: `specjax.generate(prompts, model=..., sampling=...)`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from specjax.engine import Engine
+from specjax.errors import InvalidPromptError, InvalidSamplingError
+from specjax.models.loading import Model, load_model
+from specjax.sampling import SamplingParams
+
+Prompt = str | Sequence[dict] | Sequence[int]
+
+_MODELS: dict[tuple, Model] = {}
+_ENGINES: dict[int, tuple[Model, Engine]] = {}
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    steps: int  # draft+verify steps (plain decoding: one per token)
+    mean_accepted_length: float  # tokens emitted per step, bonus included (plain: 1.0)
+    acceptance_rate: float | None  # accepted / draft positions checked (None without a drafter)
+    per_position_acceptance: list[float]  # P(draft i accepted | drafts < i accepted), K entries
+    tokens_per_second: float  # generated tokens / (prefill + decode) seconds, compile excluded
+    drafter: str
+    num_draft: int
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str  # "stop" (EOS / stop token) or "length"
+    stats: GenerationStats
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": dataclasses.asdict(self.stats),
+        }
+
+
+def get_model(model: Model | str | None, dtype: str | None = None) -> Model:
+    if isinstance(model, Model):
+        return model
+    key = (model, dtype)
+    if key not in _MODELS:
+        _MODELS[key] = load_model(model, dtype=dtype)
+    return _MODELS[key]
+
+
+def get_engine(model: Model) -> Engine:
+    hit = _ENGINES.get(id(model))
+    if hit is None or hit[0] is not model:
+        hit = (model, Engine(model))
+        _ENGINES[id(model)] = hit
+    return hit[1]
+
+
+def encode_prompt(model: Model, prompt: Prompt, raw: bool = False) -> list[int]:
+    """Token ids of one prompt: a string (chat template applied for chat models unless `raw`), a
+    list of chat messages, or a list of token ids."""
+    tok = model.tokenizer
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise InvalidPromptError("empty prompt")
+        if tok is None:
+            raise InvalidPromptError(f"model {model.name} has no tokenizer: pass token ids")
+        if not raw and getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            ids = tok(text, add_special_tokens=False).input_ids
+        else:
+            ids = tok(prompt).input_ids
+    elif prompt and all(isinstance(m, dict) for m in prompt):
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise InvalidPromptError(f"model {model.name} has no chat template for messages")
+        if any("role" not in m or "content" not in m for m in prompt):
+            raise InvalidPromptError("each chat message needs 'role' and 'content'")
+        text = tok.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False).input_ids
+    else:
+        ids = [int(t) for t in prompt]
+        if any(t < 0 or t >= model.config.vocab_size for t in ids):
+            raise InvalidPromptError(f"token id out of range [0, {model.config.vocab_size})")
+    if not ids:
+        raise InvalidPromptError("empty prompt")
+    return list(ids)
+
+
+def check_fits(model: Model, n_prompt: int, max_new: int) -> None:
+    ctx = model.config.max_position_embeddings
+    if n_prompt >= ctx:
+        raise InvalidPromptError(f"prompt of {n_prompt} tokens does not fit the model's context of {ctx} tokens")
+    if n_prompt + max_new > ctx:
+        raise InvalidPromptError(
+            f"prompt of {n_prompt} tokens + max_new_tokens {max_new} exceeds the model's context of {ctx} tokens"
+        )
+
+
+def generate(
+    prompts: Prompt | Sequence[Prompt],
+    model: Model | str | None = None,
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    max_new_tokens: int | None = None,
+    drafter: str | None = None,
+    num_draft: int = 0,
+    raw: bool = False,
+    dtype: str | None = None,
+) -> list[GenerationResult]:
+    """Generate a continuation for each prompt, batched.
+
+    `prompts`: one prompt or a list (strings get the chat template unless `raw`; message lists;
+    token-id lists). `sampling`: one `SamplingParams` for all rows or one per row.
+    `max_new_tokens` overrides the sampling params' value.
+    """
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+        prompts = [prompts]
+    if not prompts:
+        raise InvalidPromptError("no prompts given")
+    if drafter not in (None, "none") or num_draft:
+        raise InvalidSamplingError(f"drafter {drafter!r} is not available; use drafter='none'")
+    sampling = sampling if sampling is not None else SamplingParams()
+    params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+    if len(params) != len(prompts):
+        raise InvalidSamplingError(f"{len(params)} sampling params for {len(prompts)} prompts")
+    if max_new_tokens is not None:
+        params = [dataclasses.replace(p, max_new_tokens=max_new_tokens) for p in params]
+    m = get_model(model, dtype)
+    ids = [encode_prompt(m, p, raw) for p in prompts]
+    for x, p in zip(ids, params):
+        check_fits(m, len(x), p.max_new_tokens)
+    engine = get_engine(m)
+    rows = engine.generate(ids, params, eos_ids=m.config.eos_token_ids)
+    results = []
+    for x, row in zip(ids, rows):
+        seconds = row.prefill_seconds + row.decode_seconds
+        text = m.tokenizer.decode(row.token_ids, skip_special_tokens=True) if m.tokenizer else ""
+        stats = GenerationStats(
+            steps=row.steps,
+            mean_accepted_length=len(row.token_ids) / max(row.steps, 1),
+            acceptance_rate=None,
+            per_position_acceptance=[],
+            tokens_per_second=len(row.token_ids) / seconds if seconds > 0 else 0.0,
+            drafter="none",
+            num_draft=0,
+            prefill_seconds=row.prefill_seconds,
+            decode_seconds=row.decode_seconds,
+        )
+        results.append(GenerationResult(text, row.token_ids, x, row.finish_reason, stats))
+    return results

@@ -1,0 +1,191 @@
+"""Llama-family model configuration, read from HF `config.json` or GGUF metadata.
+
+One dataclass covers Llama 2/3, SmolLM, Mistral-without-sliding-window and friends: RMSNorm,
+rotary embeddings (plain or Llama-3 `rope_scaling`), grouped-query attention, SwiGLU MLP, tied or
+untied LM head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from specjax.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int  # D
+    intermediate_size: int  # F
+    num_layers: int  # L
+    num_heads: int  # N
+    num_kv_heads: int  # KV
+    head_dim: int  # H
+    rope_theta: float = 10000.0
+    # Llama-3 style: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    rope_scaling: tuple[float, float, float, int] | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def num_groups(self) -> int:  # G: query heads per KV head
+        return self.num_heads // self.num_kv_heads
+
+    def num_params(self) -> int:
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * (self.num_heads + 2 * self.num_kv_heads) * h + self.num_heads * h * d
+        layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.num_layers * layer + d + head
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = tuple(d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "LlamaConfig":
+        """Build from a HF `config.json` dict; raises ModelLoadError naming what is wrong."""
+        archs = hf.get("architectures") or []
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES and not set(archs) & set(SUPPORTED_ARCHITECTURES):
+            raise ModelLoadError(
+                f"unsupported architecture {archs or model_type!r}: specjax supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if hf.get("sliding_window") and model_type == "mistral":
+            raise ModelLoadError("sliding-window attention is not supported")
+
+        def need(key):
+            if key not in hf:
+                raise ModelLoadError(f"config.json is missing the key {key!r}")
+            return hf[key]
+
+        num_heads = need("num_attention_heads")
+        hidden = need("hidden_size")
+        rope_scaling = None
+        rs = hf.get("rope_scaling")
+        if rs:
+            kind = rs.get("rope_type", rs.get("type"))
+            if kind == "llama3":
+                rope_scaling = (
+                    float(rs["factor"]),
+                    float(rs["low_freq_factor"]),
+                    float(rs["high_freq_factor"]),
+                    int(rs["original_max_position_embeddings"]),
+                )
+            elif kind not in (None, "default"):
+                raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None:  # transformers >= 5 nests it in rope_parameters
+            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        eos = hf.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return cls(
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hidden // num_heads,
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF `config.json` dict of this config (used to export draft models)."""
+        d = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+        if self.rope_scaling is not None:
+            f, lo, hi, orig = self.rope_scaling
+            d["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": f,
+                "low_freq_factor": lo,
+                "high_freq_factor": hi,
+                "original_max_position_embeddings": orig,
+            }
+        if self.bos_token_id is not None:
+            d["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+        return d
+
+
+def tiny(**overrides) -> LlamaConfig:
+    """A few-hundred-kilobyte random model for parity and cache tests."""
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    base.update(overrides)
+    return LlamaConfig(**base)
+
+
+def smollm2_135m() -> LlamaConfig:
+    """SmolLM2-135M-Instruct, the default target (DESIGN.md §4)."""
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )

@@ -1,0 +1,206 @@
+"""Llama-family decoder in Flax NNX, used functionally under `jax.jit`.
+
+The model is built once, split with `nnx.split` into a static graphdef and a params state, and
+every compiled function is a pure function of `(params, tokens, cache)` that merges inside.
+Layers are stacked (`nnx.vmap` at construction) and run with `lax.scan`, so compile time does not
+grow with depth.
+
+Weights keep the HF `[out, in]` layout and matmuls are written `W @ x` ("OI,MI->MO"): on XLA CPU
+this is markedly faster than `x @ W^T` for the small M (a few verify tokens) that speculative
+decoding lives on (DESIGN.md §5; measured in docs/performance.md). QKV and gate/up projections are
+fused into one matmul each for the same reason.
+
+Hidden-state hook: `collect=(i, j, ...)` returns the outputs of decoder layers i, j, ... (0-based;
+HF's `hidden_states[i + 1]`), stacked `[n, B, T, D]`. EAGLE-3 fuses a low, middle and high layer;
+MTP heads read the final normed hidden state, which `hidden()` always returns.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.models.config import LlamaConfig
+from specjax.models.kv_cache import KVCache, write_rows
+
+
+def linear(w: jax.Array, x: jax.Array) -> jax.Array:
+    """`x [..., I] @ w[O, I]^T -> [..., O]`, computed as `w @ x^T` (fast small-M path on CPU)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # [M, I]
+    y = jnp.einsum("OI,MI->OM", w, x2.astype(w.dtype), preferred_element_type=w.dtype)  # [O, M]
+    return y.T.reshape(*lead, w.shape[0])
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
+    """Inverse frequencies `[H/2]`, with Llama-3 `rope_scaling` applied when configured."""
+    h = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    if cfg.rope_scaling is None:
+        return inv
+    factor, lo, hi, orig = cfg.rope_scaling
+    wavelen = 2 * math.pi / inv
+    lo_wavelen, hi_wavelen = orig / lo, orig / hi
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    scaled = jnp.where(wavelen > lo_wavelen, inv / factor, inv)
+    smooth = (orig / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= hi_wavelen) & (wavelen <= lo_wavelen)
+    return jnp.where(is_mid, mid, scaled)
+
+
+def rope_tables(cfg: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin `[B, T, H]` for absolute positions `[B, T]` (HF rotate-half convention)."""
+    freqs = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)  # [B, T, H/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, H]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x `[B, T, N, H]`; cos/sin `[B, T, H]`."""
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos[:, :, None] + rot * sin[:, :, None]).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention over a per-row KV cache."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        d, h = cfg.hidden_size, cfg.head_dim
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * h
+        init = nnx.initializers.normal(0.02)
+        self.qkv = nnx.Param(init(rngs.params(), (qkv_out, d), dtype))  # [(N+2KV)H, D]
+        self.o = nnx.Param(init(rngs.params(), (d, cfg.num_heads * h), dtype))  # [D, NH]
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, starts):
+        """x `[B, T, D]`; k/v_cache `[B, S, KV, H]`; starts `[B]` (= cache lengths)."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        n, kv, h, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_groups
+        qkv = linear(self.qkv[...], x)  # [B, T, (N+2KV)H]
+        q = qkv[..., : n * h].reshape(b, t, n, h)
+        k = qkv[..., n * h : (n + kv) * h].reshape(b, t, kv, h)
+        v = qkv[..., (n + kv) * h :].reshape(b, t, kv, h)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache = write_rows(k_cache, k, starts)  # [B, S, KV, H]
+        v_cache = write_rows(v_cache, v, starts)
+
+        s = k_cache.shape[1]
+        q_pos = starts[:, None] + jnp.arange(t)  # [B, T]
+        mask = jnp.arange(s)[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
+        q = q.reshape(b, t, kv, g, h)
+        scores = jnp.einsum(
+            "BTKGH,BSKH->BKGTS", q, k_cache, preferred_element_type=jnp.float32
+        ) / math.sqrt(h)
+        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+        out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_cache)  # [B, T, KV, G, H]
+        return linear(self.o[...], out.reshape(b, t, n * h)), k_cache, v_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        init = nnx.initializers.normal(0.02)
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_up = nnx.Param(init(rngs.params(), (2 * f, d), dtype))  # [2F, D]
+        self.down = nnx.Param(init(rngs.params(), (d, f), dtype))  # [D, F]
+
+    def __call__(self, x):
+        gu = linear(self.gate_up[...], x)  # [B, T, 2F]
+        gate, up = jnp.split(gu, 2, axis=-1)
+        return linear(self.down[...], jax.nn.silu(gate) * up)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.attn = Attention(cfg, rngs=rngs, dtype=dtype)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, starts):
+        a, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, starts)
+        x = x + a
+        x = x + self.mlp(self.mlp_norm(x))
+        return x, k_cache, v_cache
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs):
+            return DecoderLayer(cfg, rngs=rngs, dtype=dtype)
+
+        self.layers = make_layers(rngs)  # every param has a leading [L] axis
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(
+                nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype)
+            )
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
+
+    def head_weight(self) -> jax.Array:  # [V, D]
+        return self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Final normed hidden `[..., D]` -> f32 logits `[..., V]`."""
+        return linear(self.head_weight(), h).astype(jnp.float32)
+
+    def hidden(self, tokens, cache: KVCache, collect: tuple[int, ...] = (), embeds=None):
+        """Run the decoder over `tokens [B, T]` placed at `cache.lengths`.
+
+        Returns the final normed hidden `[B, T, D]`, the cache with the new K/V written (lengths
+        unchanged) and the hidden states of the `collect` layers `[n, B, T, D]` (or None).
+        """
+        x = self.embed_tokens(tokens) if embeds is None else embeds
+        b, t = tokens.shape
+        starts = cache.lengths
+        positions = starts[:, None] + jnp.arange(t)[None, :]  # [B, T]
+        cos, sin = rope_tables(self.cfg, positions)
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def body(x, xs):
+            params, k_l, v_l = xs
+            layer = nnx.merge(graphdef, params)
+            x, k_l, v_l = layer(x, cos, sin, k_l, v_l, starts)
+            return x, (k_l, v_l, x if collect else None)
+
+        x, (k, v, all_h) = jax.lax.scan(body, x, (layer_state, cache.k, cache.v))
+        collected = all_h[jnp.asarray(collect)] if collect else None  # [n, B, T, D]
+        return self.norm(x), cache.replace(k=k, v=v), collected
+
+    def __call__(self, tokens, cache: KVCache, collect: tuple[int, ...] = ()):
+        """tokens `[B, T]` -> f32 logits `[B, T, V]`, new cache, collected hidden states."""
+        h, cache, collected = self.hidden(tokens, cache, collect)
+        return self.logits(h), cache, collected
+
+    def new_cache(self, batch: int, size: int) -> KVCache:
+        c = self.cfg
+        return KVCache.create(c.num_layers, batch, size, c.num_kv_heads, c.head_dim, self.embed[...].dtype)

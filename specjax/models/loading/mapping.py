@@ -1,0 +1,99 @@
+"""HF tensor names -> specjax params (stacked layers, fused QKV and gate/up).
+
+Both loaders (safetensors and GGUF) produce tensors in HF layout (`[out, in]`) under HF names and
+hand them to :func:`params_from_hf`; :func:`params_to_hf` is the inverse, used to export models
+(e.g. a draft model) as HF checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from specjax.errors import ModelLoadError
+from specjax.models.config import LlamaConfig
+
+LAYER = "model.layers.{i}."
+
+
+def params_from_hf(
+    cfg: LlamaConfig,
+    get: Callable[[str], np.ndarray],
+    dtype=np.float32,
+    on_tensor: Callable[[], None] | None = None,
+) -> dict:
+    """Build the pure params dict of :class:`~specjax.models.llama.Llama` from HF tensors.
+
+    `get(name)` returns the HF tensor `name` as a numpy array (raising KeyError if absent).
+    """
+
+    def fetch(name, shape):
+        try:
+            a = np.asarray(get(name))
+        except KeyError:
+            raise ModelLoadError(f"checkpoint has no tensor {name!r}") from None
+        if tuple(a.shape) != tuple(shape):
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(a.shape)}, config implies {tuple(shape)}")
+        if on_tensor is not None:
+            on_tensor()
+        return a.astype(dtype, copy=False)
+
+    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    n, kv = cfg.num_heads, cfg.num_kv_heads
+    layers = {k: [] for k in ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm")}
+    for i in range(cfg.num_layers):
+        p = LAYER.format(i=i)
+        layers["qkv"].append(
+            np.concatenate(
+                [
+                    fetch(p + "self_attn.q_proj.weight", (n * h, d)),
+                    fetch(p + "self_attn.k_proj.weight", (kv * h, d)),
+                    fetch(p + "self_attn.v_proj.weight", (kv * h, d)),
+                ]
+            )
+        )
+        layers["o"].append(fetch(p + "self_attn.o_proj.weight", (d, n * h)))
+        layers["gate_up"].append(
+            np.concatenate([fetch(p + "mlp.gate_proj.weight", (f, d)), fetch(p + "mlp.up_proj.weight", (f, d))])
+        )
+        layers["down"].append(fetch(p + "mlp.down_proj.weight", (d, f)))
+        layers["attn_norm"].append(fetch(p + "input_layernorm.weight", (d,)))
+        layers["mlp_norm"].append(fetch(p + "post_attention_layernorm.weight", (d,)))
+    st = {k: np.stack(v) for k, v in layers.items()}
+    params = {
+        "embed": fetch("model.embed_tokens.weight", (cfg.vocab_size, d)),
+        "layers": {
+            "attn": {"qkv": st["qkv"], "o": st["o"]},
+            "mlp": {"gate_up": st["gate_up"], "down": st["down"]},
+            "attn_norm": {"scale": st["attn_norm"]},
+            "mlp_norm": {"scale": st["mlp_norm"]},
+        },
+        "norm": {"scale": fetch("model.norm.weight", (d,))},
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = fetch("lm_head.weight", (cfg.vocab_size, d))
+    return params
+
+
+def params_to_hf(cfg: LlamaConfig, params: dict) -> dict[str, np.ndarray]:
+    """Inverse of :func:`params_from_hf`: HF-named numpy tensors."""
+    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    n, kv = cfg.num_heads, cfg.num_kv_heads
+    lay = params["layers"]
+    out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["norm"]["scale"]}
+    for i in range(cfg.num_layers):
+        p = LAYER.format(i=i)
+        qkv = lay["attn"]["qkv"][i]
+        out[p + "self_attn.q_proj.weight"] = qkv[: n * h]
+        out[p + "self_attn.k_proj.weight"] = qkv[n * h : (n + kv) * h]
+        out[p + "self_attn.v_proj.weight"] = qkv[(n + kv) * h :]
+        out[p + "self_attn.o_proj.weight"] = lay["attn"]["o"][i]
+        out[p + "mlp.gate_proj.weight"] = lay["mlp"]["gate_up"][i][:f]
+        out[p + "mlp.up_proj.weight"] = lay["mlp"]["gate_up"][i][f:]
+        out[p + "mlp.down_proj.weight"] = lay["mlp"]["down"][i]
+        out[p + "input_layernorm.weight"] = lay["attn_norm"]["scale"][i]
+        out[p + "post_attention_layernorm.weight"] = lay["mlp_norm"]["scale"][i]
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = params["lm_head"]
+    return {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in out.items()}

@@ -1,0 +1,124 @@
+"""Sampling settings and logit processing.
+
+Order of operations (the same for the target and, in speculative decoding, for the drafter, so
+that rejection sampling compares the two processed distributions):
+
+1. temperature: `logits / T`; T = 0 means greedy (argmax of the raw logits, nothing else applies);
+2. top-k: keep the k highest logits (0 = off; ties with the k-th are kept);
+3. top-p: keep the smallest set of highest-probability tokens whose mass is >= p, computed on the
+   distribution left by top-k (1.0 = off; ties at the boundary are kept);
+4. renormalise and sample.
+
+This matches HF transformers' default warper order (temperature, top-k, top-p). Settings are
+per-row arrays `[B]`, so one compiled loop serves rows with different settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.errors import InvalidSamplingError
+
+NEG_INF = -1e30  # finite, so 0 * masked stays 0 (no NaN) in f32 arithmetic
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """User-facing sampling settings (validated on construction)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        t, k, p, n = self.temperature, self.top_k, self.top_p, self.max_new_tokens
+        if not isinstance(t, (int, float)) or not t >= 0 or t == float("inf"):
+            raise InvalidSamplingError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not isinstance(k, int) or k < 0:
+            raise InvalidSamplingError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+        if not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise InvalidSamplingError(f"top_p must be in (0, 1], got {p!r}")
+        if not isinstance(n, int) or n < 1:
+            raise InvalidSamplingError(f"max_new_tokens must be an integer >= 1, got {n!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@struct.dataclass
+class SamplingArrays:
+    """Per-row sampling settings inside compiled code."""
+
+    temperature: jax.Array  # [B] f32; 0 = greedy
+    top_k: jax.Array  # [B] int32; 0 = off
+    top_p: jax.Array  # [B] f32; 1 = off
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams]) -> "SamplingArrays":
+        return cls(
+            temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+            top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+            top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+        )
+
+
+def _expand(x: jax.Array, ndim: int) -> jax.Array:
+    """[B] -> [B, 1, ..., 1] with `ndim` dims in all."""
+    return x.reshape(x.shape + (1,) * (ndim - 1))
+
+
+def process_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Apply temperature, top-k, top-p. logits `[B, ..., V]` f32 -> masked scaled logits.
+
+    Masked entries are NEG_INF. Greedy rows (T = 0) are returned as raw logits; callers take
+    their argmax. The vocabulary sort needed by top-k/top-p is skipped at run time when no row
+    uses either.
+    """
+    nd = logits.ndim
+    t = _expand(s.temperature, nd)
+    scaled = jnp.where(t > 0, logits / jnp.where(t > 0, t, 1.0), logits)
+    needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
+    return jax.lax.cond(needs_sort, lambda x: _truncate(x, s), lambda x: x, scaled)
+
+
+def _truncate(x: jax.Array, s: SamplingArrays) -> jax.Array:
+    nd = x.ndim
+    v = x.shape[-1]
+    srt = -jnp.sort(-x, axis=-1)  # [B, ..., V] descending
+    k = _expand(s.top_k, nd)
+    kth = jnp.take_along_axis(srt, jnp.clip(k - 1, 0, v - 1), axis=-1)  # [B, ..., 1]
+    srt = jnp.where((k > 0) & (srt < kth), NEG_INF, srt)
+    probs = jax.nn.softmax(srt, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive cumulative mass
+    keep = mass_before < _expand(s.top_p, nd)
+    n_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
+    pth = jnp.take_along_axis(srt, n_keep - 1, axis=-1)  # smallest kept logit
+    thresh = jnp.maximum(jnp.where(k > 0, kth, NEG_INF), pth)
+    greedy = _expand(s.temperature, nd) <= 0
+    return jnp.where(greedy | (x >= thresh), x, NEG_INF)
+
+
+def target_probs(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """The distribution tokens are drawn from, `[B, ..., V]`: one-hot argmax for greedy rows."""
+    x = process_logits(logits, s)
+    greedy = _expand(s.temperature, logits.ndim) <= 0
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where(greedy, onehot, jax.nn.softmax(x, axis=-1))
+
+
+def sample(key: jax.Array, logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Draw one token per position. logits `[B, ..., V]` -> tokens `[B, ...]` int32."""
+    x = process_logits(logits, s)
+    drawn = jax.random.categorical(key, x, axis=-1)
+    greedy = _expand(s.temperature, logits.ndim - 1) <= 0
+    return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
