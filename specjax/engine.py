@@ -1,16 +1,19 @@
-"""The compiled generation loop.
+"""The compiled speculative loop: draft -> verify -> accept -> commit in one `lax.while_loop`.
 
-Two compiled functions per shape bucket:
+Two compiled functions per shape bucket (batch, prompt bucket T, cache size S, drafter, K):
 
-* `prefill(params, tokens [B, T], lengths [B]) -> cache, last_logits [B, V]`: runs right-padded
-  prompts of different lengths in one pass; row b's prompt sits at positions `0..lengths[b]-1`;
-* `decode(params, cache, last_logits, ...) -> outputs`: one `lax.while_loop` that samples a token
-  per row, feeds it back, and stops each row on EOS / a stop id / its own `max_new_tokens`.
+* `prefill(params, prompt [B, T], prompt_len [B])` runs right-padded prompts of different
+  lengths in one pass (row b's prompt at positions 0..prompt_len[b]-1) and returns the cache, the
+  last-position logits and, for drafters that read them, the target's hidden states;
+* `decode(...)` samples the first token, initialises the drafter and runs the loop. Each step:
+  the drafter proposes K tokens; the target verifies [last, d_1..d_K] in one forward (T = K + 1);
+  the accept step keeps n drafts and adds one token; each row commits its own n + 1 tokens (KV
+  cache lengths advance by n + 1; rejected positions are rolled back by not advancing); rows stop
+  on EOS / stop ids / their own max_new_tokens. Per-row statistics (steps, per-position checks
+  and accepts) ride in the loop state. K = 0 is plain decoding.
 
-Invariant of the loop state: every emitted token but the last is in the cache; the last one is fed
-at the next step. Shapes are bucketed (prompt length to a power of two, cache size and output
-buffer to multiples of 128/64) so repeated calls reuse compiled code; compile time is measured
-apart from run time.
+Invariant: `history[b, :hist_len[b]]` is prompt + emitted tokens, and the KV cache holds all of
+them but the last. The caches are donated, so XLA updates them in place.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from specjax.models.kv_cache import KVCache
+from specjax.drafters.base import CommitContext, Drafter, InitContext, NoDrafter, StepContext
+from specjax.models.kv_cache import KVCache, write_rows
 from specjax.models.loading import Model
 from specjax.sampling import SamplingArrays, SamplingParams, sample
+from specjax.verify import accept
 
 
 def bucket_pow2(n: int, lo: int = 16) -> int:
@@ -38,16 +43,17 @@ def bucket_multiple(n: int, m: int) -> int:
 
 
 @struct.dataclass
-class DecodeState:
-    cache: KVCache
-    last: jax.Array  # [B] int32, last emitted token (not yet in the cache)
-    out: jax.Array  # [B, N] int32, emitted tokens
-    num_out: jax.Array  # [B] int32
+class LoopState:
+    cache: KVCache  # target cache: every emitted token but the last
+    draft_state: object  # the drafter's pytree
+    history: jax.Array  # [B, S] int32, prompt + emitted
+    hist_len: jax.Array  # [B] int32
     done: jax.Array  # [B] bool
-    stopped: jax.Array  # [B] bool, finished on a stop/EOS token (vs. length)
+    stopped: jax.Array  # [B] bool, ended on EOS / a stop id (else on length)
     key: jax.Array
-    step: jax.Array  # [] int32, loop iterations
-    row_steps: jax.Array  # [B] int32, iterations in which the row was still running
+    steps: jax.Array  # [B] int32, steps in which the row was running
+    checked: jax.Array  # [B, K] int32, times draft position i was checked
+    accepted: jax.Array  # [B, K] int32, times draft position i was accepted
 
 
 @dataclasses.dataclass
@@ -55,135 +61,183 @@ class RowOutput:
     token_ids: list[int]
     finish_reason: str  # "stop" | "length"
     steps: int
+    checked: list[int]  # per draft position
+    accepted: list[int]
     prefill_seconds: float
     decode_seconds: float
 
 
-def _prefill(graphdef, params, tokens, lengths, cache_size):
+def _prefill(graphdef, params, prompt, prompt_len, *, cache_size, collect, want_final):
     model = nnx.merge(graphdef, params)
-    b = tokens.shape[0]
-    cache = model.new_cache(b, cache_size)
-    h, cache, _ = model.hidden(tokens, cache)  # [B, T, D]
-    last_h = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
-    return cache.with_lengths(lengths), model.logits(last_h)  # [B, V]
+    cache = model.new_cache(prompt.shape[0], cache_size)
+    h, cache, hidden = model.hidden(prompt, cache, collect=collect)  # h [B, T, D]
+    last_h = jnp.take_along_axis(h, (prompt_len - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    return cache.with_lengths(prompt_len), model.logits(last_h), hidden, (h if want_final else None)
 
 
-def _is_stop(tok, stop_ids):
-    return jnp.any(tok[:, None] == stop_ids, axis=-1)  # [B]
+def _is_stop(tokens, stop_ids):
+    """tokens [B, T], stop_ids [B, M] (-1 padded) -> [B, T] bool."""
+    return jnp.any(tokens[:, :, None] == stop_ids[:, None, :], axis=-1)
 
 
-def _decode(graphdef, params, cache, last_logits, samp: SamplingArrays, max_new, stop_ids, key, out_size):
-    """Plain autoregressive decoding; max_new [B] int32, stop_ids [B, M] int32 (-1 padded)."""
+def _decode(graphdef, params, dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final,
+            samp: SamplingArrays, max_new, stop_ids, key, *, drafter: Drafter, all_greedy: bool,
+            implementation: str):
+    """max_new [B] int32; stop_ids [B, M] int32 (-1 padded). Returns the final LoopState."""
     model = nnx.merge(graphdef, params)
-    b = last_logits.shape[0]
+    b, s = prompt.shape[0], cache.size
+    k = drafter.num_draft
     key, sub = jax.random.split(key)
     first = sample(sub, last_logits, samp)  # [B]
-    stop = _is_stop(first, stop_ids)
-    state = DecodeState(
+    history = jnp.zeros((b, s), jnp.int32).at[:, : prompt.shape[1]].set(prompt)
+    history = history.at[jnp.arange(b), prompt_len].set(first)
+    hist_len = prompt_len + 1
+    stop = _is_stop(first[:, None], stop_ids)[:, 0]
+    dstate = drafter.init(
+        dparams,
+        InitContext(prompt, prompt_len, history, hist_len, samp, pre_hidden, pre_final, s, all_greedy),
+    )
+    state = LoopState(
         cache=cache,
-        last=first,
-        out=jnp.zeros((b, out_size), jnp.int32).at[:, 0].set(first),
-        num_out=jnp.ones((b,), jnp.int32),
+        draft_state=dstate,
+        history=history,
+        hist_len=hist_len,
         done=stop | (max_new <= 1),
         stopped=stop,
         key=key,
-        step=jnp.zeros((), jnp.int32),
-        row_steps=jnp.ones((b,), jnp.int32),
+        steps=jnp.zeros((b,), jnp.int32),
+        checked=jnp.zeros((b, k), jnp.int32),
+        accepted=jnp.zeros((b, k), jnp.int32),
     )
+    collect = drafter.hidden_layers
 
-    def cond(s: DecodeState):
-        return ~jnp.all(s.done)
+    def cond(st: LoopState):
+        return ~jnp.all(st.done)
 
-    def body(s: DecodeState):
-        logits, cache, _ = model(s.last[:, None], s.cache)  # [B, 1, V]
-        live = ~s.done
-        cache = cache.advance(live.astype(jnp.int32))
-        key, sub = jax.random.split(s.key)
-        tok = sample(sub, logits[:, 0], samp)  # [B]
-        pos = jnp.minimum(s.num_out, out_size - 1)
-        out = s.out.at[jnp.arange(b), pos].set(jnp.where(live, tok, s.out[jnp.arange(b), pos]))
-        num_out = s.num_out + live
-        stop = live & _is_stop(tok, stop_ids)
-        return DecodeState(
+    def body(st: LoopState):
+        key, k_draft, k_accept = jax.random.split(st.key, 3)
+        live = ~st.done
+        last = jnp.take_along_axis(st.history, (st.hist_len - 1)[:, None], axis=1)  # [B, 1]
+        if k > 0:
+            ctx = StepContext(st.history, st.hist_len, samp, k_draft, all_greedy)
+            draft, q, dstate = drafter.propose(dparams, st.draft_state, ctx)  # [B, K]
+            tokens_in = jnp.concatenate([last, draft], axis=1)  # [B, K+1]
+        else:
+            draft, q, dstate = jnp.zeros((b, 0), jnp.int32), None, st.draft_state
+            tokens_in = last
+        h, cache, hidden = model.hidden(tokens_in, st.cache, collect=collect)  # [B, K+1, D]
+        logits = model.logits(h)  # [B, K+1, V]
+        n, emitted = accept(logits, draft, q, samp, k_accept, all_greedy, implementation)
+
+        # Truncate at the first stop token and at max_new; only live rows write.
+        num_out = st.hist_len - prompt_len
+        idx = jnp.arange(k + 1)[None]
+        valid = idx <= n[:, None]
+        is_stop = _is_stop(emitted, stop_ids) & valid
+        first_stop = jnp.min(jnp.where(is_stop, idx, k + 1), axis=1)  # [B]
+        n_emit = jnp.minimum(jnp.minimum(n + 1, first_stop + 1), max_new - num_out)
+        n_emit = jnp.where(live, n_emit, 0)
+        window = jnp.take_along_axis(st.history, jnp.minimum(st.hist_len[:, None] + idx, s - 1), axis=1)
+        new_vals = jnp.where(idx < n_emit[:, None], emitted, window)
+        history = write_rows(st.history, new_vals, st.hist_len)  # S leaves room: see shapes()
+        hist_len = st.hist_len + n_emit
+        stopped = st.stopped | (live & (first_stop < n_emit))
+        done = st.done | stopped | (hist_len - prompt_len >= max_new)
+        cache = cache.advance(jnp.where(live, n + 1, 0))
+
+        if k > 0:
+            dstate = drafter.commit(
+                dparams, dstate,
+                CommitContext(n, emitted, history, hist_len, live, hidden, h if drafter.needs_final_hidden else None),
+            )
+        pos = jnp.arange(k)[None]
+        return LoopState(
             cache=cache,
-            last=jnp.where(live, tok, s.last),
-            out=out,
-            num_out=num_out,
-            done=s.done | stop | (num_out >= max_new),
-            stopped=s.stopped | stop,
+            draft_state=dstate,
+            history=history,
+            hist_len=hist_len,
+            done=done,
+            stopped=stopped,
             key=key,
-            step=s.step + 1,
-            row_steps=s.row_steps + live,
+            steps=st.steps + live,
+            checked=st.checked + (live[:, None] & (pos <= n[:, None])),
+            accepted=st.accepted + (live[:, None] & (pos < n[:, None])),
         )
 
-    s = jax.lax.while_loop(cond, body, state)
-    return s.out, s.num_out, s.stopped, s.row_steps, s.cache
+    return jax.lax.while_loop(cond, body, state)
 
 
 class Engine:
     """Runs batches of tokenized prompts through the compiled loop; caches compiled code."""
 
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, implementation: str = "auto"):
         self.model = model
+        self.implementation = implementation
         self._compiled: dict = {}
         self.compile_seconds = 0.0  # total spent compiling, reported apart from run time
 
-    def _get(self, name, fn, static, *args):
-        key = (name, static, tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
+    def _get(self, name, fn, static: dict, donate: tuple, *args):
+        key = (name, tuple(sorted((k, v.cache_key() if isinstance(v, Drafter) else v) for k, v in static.items())),
+               tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
         exe = self._compiled.get(key)
         if exe is None:
             t0 = time.perf_counter()
-            exe = jax.jit(partial(fn, self.model.graphdef, **dict(static))).lower(*args).compile()
+            jitted = jax.jit(partial(fn, self.model.graphdef, **static), donate_argnums=donate)
+            exe = jitted.lower(*args).compile()
             self.compile_seconds += time.perf_counter() - t0
             self._compiled[key] = exe
         return exe
 
-    def shapes(self, prompt_lens: list[int], max_new: int) -> tuple[int, int, int]:
-        """(prompt bucket T, cache size S, output buffer N) for a batch."""
+    def shapes(self, prompt_lens: list[int], max_new: int, k: int) -> tuple[int, int]:
+        """(prompt bucket T, cache size S) for a batch."""
         t = bucket_pow2(max(prompt_lens))
-        s = bucket_multiple(max(max(prompt_lens) + max_new + 1, t), 128)
-        n = bucket_multiple(max_new, 64)
-        return t, s, n
+        s = bucket_multiple(max(max(prompt_lens) + max_new + k + 2, t), 128)
+        return t, s
 
-    def generate(self, prompt_ids: list[list[int]], params: list[SamplingParams], eos_ids=()) -> list[RowOutput]:
+    def generate(self, prompt_ids: list[list[int]], params: list[SamplingParams], eos_ids=(),
+                 drafter: Drafter | None = None) -> list[RowOutput]:
+        drafter = drafter or NoDrafter()
         b = len(prompt_ids)
         lens = [len(p) for p in prompt_ids]
         max_new = max(p.max_new_tokens for p in params)
-        t, s, n = self.shapes(lens, max_new)
-        tokens = np.zeros((b, t), np.int32)
+        t, s = self.shapes(lens, max_new, drafter.num_draft)
+        prompt = np.zeros((b, t), np.int32)
         for i, p in enumerate(prompt_ids):
-            tokens[i, : len(p)] = p
+            prompt[i, : len(p)] = p
         stops = [tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos_ids)) for p in params]
-        m = max(1, max(len(x) for x in stops))
-        stop_arr = np.full((b, m), -1, np.int32)
+        stop_arr = np.full((b, max(1, max(len(x) for x in stops))), -1, np.int32)
         for i, x in enumerate(stops):
             stop_arr[i, : len(x)] = x
         samp = SamplingArrays.from_params(params)
+        all_greedy = all(p.greedy for p in params)
         key = jax.random.key(params[0].seed)
-        tokens, lengths = jnp.asarray(tokens), jnp.asarray(lens, jnp.int32)
+        prompt, prompt_len = jnp.asarray(prompt), jnp.asarray(lens, jnp.int32)
         max_new_arr = jnp.asarray([p.max_new_tokens for p in params], jnp.int32)
         stop_arr = jnp.asarray(stop_arr)
+        mp, dparams = self.model.params, drafter.params()
 
-        pre = self._get("prefill", _prefill, (("cache_size", s),), self.model.params, tokens, lengths)
+        pre_static = dict(cache_size=s, collect=drafter.hidden_layers, want_final=drafter.needs_final_hidden)
+        pre = self._get("prefill", _prefill, pre_static, (), mp, prompt, prompt_len)
         t0 = time.perf_counter()
-        cache, last_logits = pre(self.model.params, tokens, lengths)
+        cache, last_logits, pre_hidden, pre_final = pre(mp, prompt, prompt_len)
         jax.block_until_ready(last_logits)
         t1 = time.perf_counter()
-        dec = self._get(
-            "decode", _decode, (("out_size", n),),
-            self.model.params, cache, last_logits, samp, max_new_arr, stop_arr, key,
-        )
-        out, num_out, stopped, row_steps, _ = dec(
-            self.model.params, cache, last_logits, samp, max_new_arr, stop_arr, key
-        )
-        out = np.asarray(out)
+        args = (mp, dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final,
+                samp, max_new_arr, stop_arr, key)
+        dec_static = dict(drafter=drafter, all_greedy=all_greedy, implementation=self.implementation)
+        dec = self._get("decode", _decode, dec_static, (2,), *args)
+        st = dec(*args)
+        history = np.asarray(st.history)
         t2 = time.perf_counter()
-        num_out, stopped, row_steps = np.asarray(num_out), np.asarray(stopped), np.asarray(row_steps)
+        hist_len, stopped = np.asarray(st.hist_len), np.asarray(st.stopped)
+        steps, checked, accepted = np.asarray(st.steps), np.asarray(st.checked), np.asarray(st.accepted)
         return [
             RowOutput(
-                token_ids=out[i, : num_out[i]].tolist(),
+                token_ids=history[i, lens[i] : hist_len[i]].tolist(),
                 finish_reason="stop" if stopped[i] else "length",
-                steps=int(row_steps[i]),
+                steps=int(steps[i]),  # loop steps; the prefill's first token is not one
+                checked=checked[i].tolist(),
+                accepted=accepted[i].tolist(),
                 prefill_seconds=t1 - t0,
                 decode_seconds=t2 - t1,
             )

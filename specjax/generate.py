@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+from specjax.drafters import Drafter, make_drafter
 from specjax.engine import Engine
 from specjax.errors import InvalidPromptError, InvalidSamplingError
 from specjax.models.loading import Model, load_model
@@ -14,6 +15,7 @@ Prompt = str | Sequence[dict] | Sequence[int]
 
 _MODELS: dict[tuple, Model] = {}
 _ENGINES: dict[int, tuple[Model, Engine]] = {}
+_DRAFTERS: dict[tuple, tuple[Model, Drafter]] = {}
 
 
 @dataclasses.dataclass
@@ -61,6 +63,20 @@ def get_engine(model: Model) -> Engine:
         hit = (model, Engine(model))
         _ENGINES[id(model)] = hit
     return hit[1]
+
+
+def get_drafter(spec: str | None, num_draft: int, target: Model) -> Drafter:
+    """Drafters are cached with their loaded draft models, so repeated calls reuse compiled code."""
+    key = (id(target), spec, num_draft)
+    hit = _DRAFTERS.get(key)
+    if hit is None or hit[0] is not target:
+        hit = (target, make_drafter(spec, num_draft, target, load=lambda p, dt: get_model(p, dt)))
+        _DRAFTERS[key] = hit
+    return hit[1]
+
+
+def drafter_label(spec: str | None, d: Drafter) -> str:
+    return d.name if d.name != "draft" else (spec or "draft")
 
 
 def encode_prompt(model: Model, prompt: Prompt, raw: bool = False) -> list[int]:
@@ -125,8 +141,6 @@ def generate(
         prompts = [prompts]
     if not prompts:
         raise InvalidPromptError("no prompts given")
-    if drafter not in (None, "none") or num_draft:
-        raise InvalidSamplingError(f"drafter {drafter!r} is not available; use drafter='none'")
     sampling = sampling if sampling is not None else SamplingParams()
     params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
     if len(params) != len(prompts):
@@ -137,20 +151,23 @@ def generate(
     ids = [encode_prompt(m, p, raw) for p in prompts]
     for x, p in zip(ids, params):
         check_fits(m, len(x), p.max_new_tokens)
+    d = get_drafter(drafter, num_draft, m)
     engine = get_engine(m)
-    rows = engine.generate(ids, params, eos_ids=m.config.eos_token_ids)
+    rows = engine.generate(ids, params, eos_ids=m.config.eos_token_ids, drafter=d)
     results = []
     for x, row in zip(ids, rows):
         seconds = row.prefill_seconds + row.decode_seconds
         text = m.tokenizer.decode(row.token_ids, skip_special_tokens=True) if m.tokenizer else ""
+        checked, accepted = sum(row.checked), sum(row.accepted)
         stats = GenerationStats(
             steps=row.steps,
-            mean_accepted_length=len(row.token_ids) / max(row.steps, 1),
-            acceptance_rate=None,
-            per_position_acceptance=[],
+            # the prefill emits the first token; MAL counts the tokens of draft-verify steps
+            mean_accepted_length=(len(row.token_ids) - 1) / row.steps if row.steps else 1.0,
+            acceptance_rate=accepted / checked if checked else None,
+            per_position_acceptance=[a / c if c else 0.0 for a, c in zip(row.accepted, row.checked)],
             tokens_per_second=len(row.token_ids) / seconds if seconds > 0 else 0.0,
-            drafter="none",
-            num_draft=0,
+            drafter=drafter_label(drafter, d),
+            num_draft=d.num_draft,
             prefill_seconds=row.prefill_seconds,
             decode_seconds=row.decode_seconds,
         )

@@ -1,0 +1,96 @@
+"""The proposer protocol every drafter implements.
+
+A drafter is a static Python object (its settings are compile-time constants) plus two pytrees
+that travel through the compiled loop: its parameters (`dparams`, may be None) and its state. All
+three methods are pure functions of pytrees, traced into the engine's single `lax.while_loop`:
+
+* `init(dparams, ctx: InitContext) -> state` once after the target's prefill;
+* `propose(dparams, state, ctx: StepContext) -> (draft [B, K] int32, q [B, K, V] | None, state)`:
+  `q` are the draft probabilities after the same temperature/top-k/top-p processing as the
+  target's; None means the drafts are deterministic (q one-hot), which is exact for rejection
+  sampling;
+* `commit(dparams, state, ctx: CommitContext) -> state` after acceptance, e.g. to roll a draft
+  KV cache back to the accepted prefix or to keep the target hidden states of accepted positions.
+
+Positions: `history [B, S]` holds prompt + emitted tokens; `hist_len[b]` counts them. The last
+emitted token `history[b, hist_len[b] - 1]` is not yet in the target's KV cache; the verify pass
+feeds it followed by the K drafts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import struct
+
+from specjax.sampling import SamplingArrays
+
+
+@struct.dataclass
+class InitContext:
+    prompt: jax.Array  # [B, T] int32, right-padded
+    prompt_len: jax.Array  # [B] int32
+    history: jax.Array  # [B, S] int32, prompt + first emitted token
+    hist_len: jax.Array  # [B] int32 (= prompt_len + 1)
+    sampling: SamplingArrays
+    target_hidden: Any  # [n, B, T, D] hidden states of `hidden_layers` over the prompt, or None
+    target_final: Any  # [B, T, D] final normed hidden over the prompt, or None
+    cache_size: int = struct.field(pytree_node=False)
+    all_greedy: bool = struct.field(pytree_node=False)
+
+
+@struct.dataclass
+class StepContext:
+    history: jax.Array  # [B, S] int32
+    hist_len: jax.Array  # [B] int32
+    sampling: SamplingArrays
+    key: jax.Array
+    all_greedy: bool = struct.field(pytree_node=False)
+
+
+@struct.dataclass
+class CommitContext:
+    n_accepted: jax.Array  # [B] int32, leading drafts the target kept
+    tokens: jax.Array  # [B, K + 1] int32, emitted tokens (first n_accepted + 1 valid)
+    history: jax.Array  # [B, S] int32, after this step
+    hist_len: jax.Array  # [B] int32, after this step
+    live: jax.Array  # [B] bool, rows that were running this step
+    target_hidden: Any  # [n, B, K + 1, D] verify-pass hidden states of `hidden_layers`, or None
+    target_final: Any  # [B, K + 1, D] verify-pass final normed hidden, or None
+
+
+class Drafter:
+    """Base class: a drafter proposing `num_draft` tokens per step."""
+
+    name: str = "drafter"
+    hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states the drafter reads
+    needs_final_hidden: bool = False  # whether it reads the target's final hidden state
+
+    def __init__(self, num_draft: int):
+        self.num_draft = int(num_draft)
+
+    def cache_key(self) -> tuple:
+        """Everything static that changes the compiled code."""
+        return (type(self).__name__, self.num_draft)
+
+    def params(self) -> Any:
+        return None
+
+    def init(self, dparams, ctx: InitContext) -> Any:
+        return ()
+
+    def propose(self, dparams, state, ctx: StepContext):
+        raise NotImplementedError
+
+    def commit(self, dparams, state, ctx: CommitContext) -> Any:
+        return state
+
+
+class NoDrafter(Drafter):
+    """K = 0: plain decoding through the same loop."""
+
+    name = "none"
+
+    def __init__(self):
+        super().__init__(0)

@@ -1,0 +1,54 @@
+"""Prompt-lookup (n-gram) drafting, vectorised over the batch.
+
+For each row, find the most recent earlier occurrence of the last n tokens of the history (prompt
++ generated), trying n = max_n down to min_n, and propose the K tokens that followed it. When the
+continuation runs into the present, it is extended periodically (the text that matched is
+assumed to keep repeating with the same period), which is what repetitive output does. Rows
+without any match propose a repeat of their last token; those drafts are simply rejected.
+
+Vocabulary-free and parameter-free: q is one-hot, so rejection sampling is exact for any
+temperature.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.drafters.base import Drafter, StepContext
+
+
+class NgramDrafter(Drafter):
+    name = "ngram"
+
+    def __init__(self, num_draft: int, max_n: int = 4, min_n: int = 1):
+        super().__init__(num_draft)
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
+
+    def cache_key(self):
+        return super().cache_key() + (self.max_n, self.min_n)
+
+    def propose(self, dparams, state, ctx: StepContext):
+        hist, length = ctx.history, ctx.hist_len  # [B, S], [B]
+        b, s = hist.shape
+        k = self.num_draft
+        j = jnp.arange(s)  # candidate match starts
+        best_end = jnp.full((b,), -1, jnp.int32)  # index just after the chosen match
+        for n in range(self.max_n, self.min_n - 1, -1):  # longest n first
+            suffix = jnp.take_along_axis(hist, jnp.clip(length[:, None] - n + jnp.arange(n), 0, s - 1), axis=1)
+            ok = jnp.ones((b, s), bool)
+            for t in range(n):
+                ok &= jnp.roll(hist, -t, axis=1) == suffix[:, t : t + 1]
+            # the match must end before the suffix's own last token, so it has a continuation
+            ok &= (j[None] + n <= length[:, None] - 1) & (length[:, None] > n)
+            end = jnp.max(jnp.where(ok, j[None] + n, -1), axis=1)  # most recent match
+            best_end = jnp.where(best_end < 0, end, best_end)
+        found = best_end >= 0
+        period = jnp.maximum(length - best_end, 1)  # [B]
+        idx = best_end[:, None] + jnp.arange(k)[None] % period[:, None]  # [B, K]
+        draft = jnp.take_along_axis(hist, jnp.clip(idx, 0, s - 1), axis=1)
+        last = jnp.take_along_axis(hist, (length - 1)[:, None], axis=1)
+        draft = jnp.where(found[:, None], draft, last)
+        return draft.astype(jnp.int32), None, state

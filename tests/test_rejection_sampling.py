@@ -1,0 +1,300 @@
+"""Rejection sampling: exact table cases, statistical losslessness, Pallas == reference, lowering.
+
+Statistical tests use a G-test at alpha = 1e-3 with a Bonferroni correction over every law tested
+in this file; each case draws >= 1e5 speculative steps with independent seeds.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from pallas_kernels.rejection_sampling import (
+    hash_uniform,
+    rejection_sample,
+    rejection_sample_pallas,
+    rejection_sample_reference,
+)
+from specjax.sampling import SamplingArrays, target_probs
+from specjax.verify import accept
+
+N_DRAWS = 100_000
+N_PALLAS_DRAWS = 20_000  # interpret mode is slow; the exact-agreement test covers the rest
+V, K = 12, 3
+CASES = ["p_eq_q", "disjoint", "onehot_q", "q_zero_where_p", "temperature", "top_k", "top_p", "generic"]
+N_LAWS = len(CASES) * 3 * 2  # first token, accepted count, bonus token; reference and Pallas
+ALPHA = 1e-3 / N_LAWS
+
+
+def g_test_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """G-test of observed counts against probabilities; cells with tiny expectation are pooled."""
+    probs = np.asarray(probs, np.float64)
+    counts = np.asarray(counts, np.float64)
+    assert counts[probs == 0].sum() == 0, "mass observed where the law has none"
+    counts, probs = counts[probs > 0], probs[probs > 0]
+    exp = probs * counts.sum()
+    keep = exp >= 5
+    obs_k, exp_k = counts[keep], exp[keep]
+    if (~keep).any() and exp[~keep].sum() > 0:
+        obs_k = np.append(obs_k, counts[~keep].sum())
+        exp_k = np.append(exp_k, exp[~keep].sum())
+    if len(obs_k) < 2:
+        return 1.0
+    exp_k = exp_k * obs_k.sum() / exp_k.sum()
+    return stats.power_divergence(obs_k, exp_k, lambda_="log-likelihood").pvalue
+
+
+def make_case(name: str, seed: int = 0):
+    """Returns (p [K+1, V], q [K, V] | None, fixed drafts [K] | None) after identical processing."""
+    rng = np.random.default_rng(seed)
+    lp = rng.normal(size=(K + 1, V)) * 1.5
+    lq = rng.normal(size=(K, V)) * 1.5
+    samp = None
+    if name == "p_eq_q":
+        lq = lp[:K].copy()
+    elif name == "disjoint":
+        lp[:, : V // 2] = -np.inf
+        lq[:, V // 2 :] = -np.inf
+    elif name == "q_zero_where_p":
+        lq[:, :3] = -np.inf  # tokens the target likes and the drafter never proposes
+        lp[:, :3] += 2.0
+    elif name == "temperature":
+        samp = SamplingArrays(jnp.asarray([0.6]), jnp.asarray([0]), jnp.asarray([1.0]))
+    elif name == "top_k":
+        samp = SamplingArrays(jnp.asarray([1.3]), jnp.asarray([4]), jnp.asarray([1.0]))
+    elif name == "top_p":
+        samp = SamplingArrays(jnp.asarray([1.0]), jnp.asarray([0]), jnp.asarray([0.7]))
+    samp = samp or SamplingArrays(jnp.asarray([1.0]), jnp.asarray([0]), jnp.asarray([1.0]))
+    p = np.asarray(target_probs(jnp.asarray(lp, jnp.float32)[None], samp))[0]
+    q = np.asarray(target_probs(jnp.asarray(lq, jnp.float32)[None], samp))[0]
+    if name == "onehot_q":
+        return p, None, np.array([int(np.argmax(p[0])), 5, 7])
+    return p, q, None
+
+
+def run(impl, p, q, fixed, n, seed=0):
+    """n independent speculative steps: drafts drawn from q (or fixed), fresh seed per row."""
+    key = jax.random.key(seed)
+    pb = jnp.broadcast_to(jnp.asarray(p), (n, K + 1, V))
+    if q is None:
+        qb, draft = None, jnp.broadcast_to(jnp.asarray(fixed, jnp.int32), (n, K))
+    else:
+        qb = jnp.broadcast_to(jnp.asarray(q), (n, K, V))
+        draft = jax.random.categorical(key, jnp.log(qb), axis=-1).astype(jnp.int32)
+    seeds = jax.random.bits(jax.random.fold_in(key, 1), (n,), jnp.uint32)
+    if impl == "reference":
+        out = rejection_sample_reference(pb, qb, draft, seeds)
+    else:
+        out = rejection_sample_pallas(pb, qb, draft, seeds, interpret=True)
+    return np.asarray(out[0]), np.asarray(out[1])
+
+
+def accept_probs(p, q, fixed):
+    """Per-position acceptance probability alpha_i = sum_v min(p_i, q_i) (q one-hot if fixed)."""
+    if q is None:
+        q = np.eye(V)[fixed]
+    return np.minimum(p[:K], q).sum(axis=1)
+
+
+def check_laws(n_acc, tokens, p, q, fixed):
+    # 1. first emitted token ~ p_0
+    first = tokens[:, 0]
+    pv1 = g_test_pvalue(np.bincount(first, minlength=V), p[0])
+    # 2. accepted count: P(n = j) = prod_{i<j} a_i * (1 - a_j), P(n = K) = prod a_i
+    a = accept_probs(p, q, fixed)
+    law = np.array([np.prod(a[:j]) * (1 - a[j]) for j in range(K)] + [np.prod(a)])
+    pv2 = g_test_pvalue(np.bincount(n_acc, minlength=K + 1), law)
+    # 3. bonus token (all accepted) ~ p_K
+    bonus = tokens[n_acc == K, K]
+    pv3 = g_test_pvalue(np.bincount(bonus, minlength=V), p[K]) if len(bonus) >= 200 else 1.0
+    return pv1, pv2, pv3
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_output_law_matches_target(name, impl):
+    p, q, fixed = make_case(name)
+    n_draws = N_DRAWS if impl == "reference" else N_PALLAS_DRAWS
+    n_acc, tokens = run(impl, p, q, fixed, n_draws, seed=hash(name) % 1000)
+    pvals = check_laws(n_acc, tokens, p, q, fixed)
+    assert min(pvals) > ALPHA, f"{name}/{impl}: p-values {pvals}"
+    if name == "p_eq_q":
+        assert (n_acc == K).all()  # identical distributions: everything is accepted
+    if name == "disjoint":
+        assert (n_acc == 0).all()  # nothing in common: nothing is accepted
+
+
+def lossy_reference(p, q, draft, seeds):
+    """A classic bug: on rejection, resample from p instead of the residual max(p - q, 0)."""
+    b, kp1, v = p.shape
+    k = kp1 - 1
+    u = hash_uniform(seeds[:, None], jnp.arange(kp1)[None], jnp.uint32(7))
+    pd = jnp.take_along_axis(p[:, :k], draft[:, :, None], axis=2)[..., 0]
+    qd = jnp.take_along_axis(q, draft[:, :, None], axis=2)[..., 0]
+    acc = u[:, :k] * qd < pd
+    n = jnp.sum(jnp.cumprod(acc.astype(jnp.int32), axis=1), axis=1)
+    fresh = jax.random.categorical(jax.random.key(0), jnp.log(p), axis=-1)  # [B, K+1] from p
+    final = jnp.take_along_axis(fresh, n[:, None], axis=1)[:, 0]
+    first = jnp.where(n > 0, draft[:, 0], final)
+    return n, jnp.concatenate([first[:, None], fresh[:, 1:]], axis=1)
+
+
+def test_statistical_test_catches_a_lossy_sampler():
+    p, q, fixed = make_case("generic")
+    key = jax.random.key(5)
+    n = N_DRAWS
+    qb = jnp.broadcast_to(jnp.asarray(q), (n, K, V))
+    draft = jax.random.categorical(key, jnp.log(qb), axis=-1).astype(jnp.int32)
+    seeds = jax.random.bits(key, (n,), jnp.uint32)
+    n_acc, tokens = lossy_reference(jnp.broadcast_to(jnp.asarray(p), (n, K + 1, V)), qb, draft, seeds)
+    pv_first, _, _ = check_laws(np.asarray(n_acc), np.asarray(tokens), p, q, fixed)
+    assert pv_first < ALPHA, "the G-test failed to detect a sampler that ignores the residual"
+
+
+@pytest.mark.parametrize("name", ["generic", "onehot_q", "top_p", "disjoint"])
+def test_pallas_equals_reference_exactly(name):
+    p, q, fixed = make_case(name, seed=3)
+    for seed in range(2):
+        r = run("reference", p, q, fixed, 3000, seed)
+        k = run("pallas", p, q, fixed, 3000, seed)
+        np.testing.assert_array_equal(r[0], k[0])
+        np.testing.assert_array_equal(r[1], k[1])
+
+
+def test_pallas_equals_reference_large_vocab_and_odd_batch():
+    """Several vocab tiles, a vocab that is not a multiple of the tile, rows not a block multiple."""
+    b, k, v = 5, 4, 5000
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    p = jax.nn.softmax(jax.random.normal(k1, (b, k + 1, v)) * 3, -1)
+    q = jax.nn.softmax(jax.random.normal(k2, (b, k, v)) * 3, -1)
+    d = jax.random.randint(k3, (b, k), 0, v)
+    seeds = jnp.arange(b, dtype=jnp.uint32) * 977
+    for qq in (q, None):
+        r = rejection_sample_reference(p, qq, d, seeds)
+        pk = rejection_sample_pallas(p, qq, d, seeds, interpret=True, rows_per_block=2)
+        np.testing.assert_array_equal(np.asarray(r[0]), np.asarray(pk[0]))
+        np.testing.assert_array_equal(np.asarray(r[1]), np.asarray(pk[1]))
+
+
+# ---- exact table cases ---------------------------------------------------------------------
+
+
+def onehot(idx, v=V):
+    return np.eye(v, dtype=np.float32)[idx]
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_table_cases(impl):
+    """Deterministic p (one-hot) makes every outcome exact."""
+    f = (lambda *a: rejection_sample_reference(*a)) if impl == "reference" else (
+        lambda *a: rejection_sample_pallas(*a, interpret=True)
+    )
+    target = [3, 5, 7, 9]  # target's token at positions 0..3 (K = 3)
+    p = jnp.asarray(onehot(target))[None]  # [1, 4, V]
+    seeds = jnp.asarray([11], jnp.uint32)
+    cases = {  # drafts -> (n_accepted, emitted)
+        (3, 5, 7): (3, [3, 5, 7, 9]),  # all accepted + bonus
+        (4, 5, 7): (0, [3, -1, -1, -1]),  # first rejected: recovered = target's token
+        (3, 5, 8): (2, [3, 5, 7, -1]),  # last rejected
+        (3, 6, 7): (1, [3, 5, -1, -1]),  # a later match does not count after a miss
+    }
+    for drafts, (n_exp, toks) in cases.items():
+        d = jnp.asarray([drafts], jnp.int32)
+        for q in (None, jnp.asarray(onehot(list(drafts)))[None]):
+            n, t = f(p, q, d, seeds)
+            assert int(n[0]) == n_exp, (drafts, q is None)
+            assert np.asarray(t[0]).tolist() == toks, (drafts, q is None)
+
+
+def test_k_zero_is_plain_sampling_of_p():
+    p = jnp.asarray(onehot([4]))[None]  # [1, 1, V]
+    n, t = rejection_sample_reference(p, None, jnp.zeros((1, 0), jnp.int32), jnp.asarray([1], jnp.uint32))
+    assert int(n[0]) == 0 and np.asarray(t).tolist() == [[4]]
+    n, t = rejection_sample_pallas(p, None, jnp.zeros((1, 0), jnp.int32), jnp.asarray([1], jnp.uint32), interpret=True)
+    assert int(n[0]) == 0 and np.asarray(t).tolist() == [[4]]
+
+
+def test_padded_and_finished_rows_do_not_disturb_others():
+    """Rows are independent: a batch gives each row what it gets alone (padding rows included)."""
+    b, k, v = 6, 3, 40
+    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
+    p = jax.nn.softmax(jax.random.normal(k1, (b, k + 1, v)), -1)
+    q = jax.nn.softmax(jax.random.normal(k2, (b, k, v)), -1)
+    d = jax.random.randint(k3, (b, k), 0, v)
+    seeds = jnp.arange(b, dtype=jnp.uint32) + 100
+    full = rejection_sample_reference(p, q, d, seeds)
+    for i in range(b):
+        one = rejection_sample_reference(p[i : i + 1], q[i : i + 1], d[i : i + 1], seeds[i : i + 1])
+        assert int(one[0][0]) == int(full[0][i])
+        assert np.asarray(one[1][0]).tolist() == np.asarray(full[1][i]).tolist()
+    # a zero-probability ("finished") row is well defined: falls back to argmax, never NaN
+    p0 = p.at[0].set(0.0)
+    n, t = rejection_sample_reference(p0, q, d, seeds)
+    assert int(n[0]) == 0 and 0 <= int(t[0, 0]) < v
+
+
+def test_greedy_accept_fast_path_matches_sampler():
+    """verify.accept's greedy path equals rejection sampling with one-hot p."""
+    b, k, v = 8, 4, 30
+    logits = jax.random.normal(jax.random.key(0), (b, k + 1, v))
+    best = jnp.argmax(logits, -1)
+    rng = np.random.default_rng(0)
+    drafts = np.asarray(best[:, :k]).copy()
+    for i in range(b):  # break the chain at a random place (or not at all)
+        j = rng.integers(0, k + 1)
+        if j < k:
+            drafts[i, j] = (drafts[i, j] + 1) % v
+    drafts = jnp.asarray(drafts, jnp.int32)
+    samp = SamplingArrays(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b))
+    n1, t1 = accept(logits, drafts, None, samp, jax.random.key(1), all_greedy=True)
+    n2, t2 = accept(logits, drafts, None, samp, jax.random.key(1), all_greedy=False, implementation="reference")
+    np.testing.assert_array_equal(np.asarray(n1), np.asarray(n2))
+    np.testing.assert_array_equal(np.asarray(t1), np.asarray(t2))
+
+
+def test_hash_uniform_is_uniform():
+    u = np.asarray(hash_uniform(jnp.uint32(3), jnp.arange(64)[:, None], jnp.arange(4096)[None])).ravel()
+    assert 0 < u.min() and u.max() < 1
+    counts = np.histogram(u, bins=64, range=(0, 1))[0]
+    assert stats.chisquare(counts).pvalue > 1e-4
+
+
+# ---- lowering for accelerators without the hardware ---------------------------------------
+
+
+@pytest.mark.parametrize("platform,backend", [("tpu", "mosaic_tpu"), ("cuda", "triton")])
+@pytest.mark.parametrize("with_q", [True, False])
+def test_kernel_lowers_for_accelerators(platform, backend, with_q):
+    """The kernel lowers to Mosaic (TPU) and Triton (GPU) IR from this CPU-only machine."""
+    from jax import export
+
+    b, k, v = 2, 5, 49152
+    args = [
+        jax.ShapeDtypeStruct((b, k + 1, v), jnp.float32),
+        jax.ShapeDtypeStruct((b, k, v), jnp.float32),
+        jax.ShapeDtypeStruct((b, k), jnp.int32),
+        jax.ShapeDtypeStruct((b,), jnp.uint32),
+    ]
+
+    def f(p, q, d, s):
+        return rejection_sample_pallas(p, q if with_q else None, d, s, backend=backend)
+
+    target = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}[platform]
+    exp = export.export(
+        jax.jit(f), platforms=[platform], disabled_checks=[export.DisabledSafetyCheck.custom_call(target)]
+    )(*args)
+    assert target in exp.mlir_module()
+
+
+def test_implementation_switch():
+    p = jnp.asarray(onehot([1, 2]))[None]
+    d = jnp.asarray([[1]], jnp.int32)
+    s = jnp.asarray([0], jnp.uint32)
+    for impl in ("auto", "pallas", "reference"):
+        n, t = rejection_sample(p, None, d, s, implementation=impl)
+        assert int(n[0]) == 1 and np.asarray(t[0]).tolist() == [1, 2]
+    with pytest.raises(ValueError):
+        rejection_sample(p, None, d, s, implementation="cuda-magic")
