@@ -72,21 +72,58 @@ def cmd_generate(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    from specjax.bench.plain import run_plain_bench
+    suites = [x for x in a.suites.split(",") if x] if a.suites else []
+    if a.prompts_file:
+        suites.append("file")
+    if suites == ["plain"]:
+        from specjax.bench.plain import run_plain_bench
 
-    if a.suite != "plain":
-        raise SpecjaxError(f"bench: unknown suite {a.suite!r} (available: plain)")
-    run_plain_bench(
-        model_path=a.model,
-        dtype=a.dtype,
-        batch_sizes=[int(x) for x in a.batch_sizes.split(",")],
-        max_new_tokens=a.max_new_tokens,
-        prompt_len=a.prompt_len,
-        forward_ts=[int(x) for x in a.forward_t.split(",")],
-        repeats=a.repeats,
-        json_out=a.json_out,
+        run_plain_bench(
+            model_path=a.model, dtype=a.dtype, batch_sizes=ints(a.batch_sizes, "--batch-sizes"),
+            max_new_tokens=a.max_new_tokens, prompt_len=a.prompt_len,
+            forward_ts=ints(a.forward_t, "--forward-t"), repeats=a.repeats, json_out=a.json_out,
+        )
+        return 0
+    import specjax
+    from specjax import datasets
+    from specjax.bench.speculative import dump, print_table, run_speculative_bench
+
+    prompts = {}
+    for s in suites:
+        if s == "file":
+            prompts["file"] = datasets.load_jsonl_prompts(a.prompts_file)[: a.limit]
+        elif s == "plain":
+            raise SpecjaxError("bench: 'plain' cannot be combined with other suites")
+        else:
+            prompts[s] = datasets.load_suite(s, a.limit)
+    temps = [float(x) for x in a.temperature.split(",")]
+    for t in temps:
+        if t < 0:
+            raise InvalidSamplingError(f"temperature must be >= 0, got {t}")
+    model = specjax.load_model(a.model, dtype=a.dtype)
+    drafters = [d for d in a.drafters.split(",") if d]
+    from specjax.drafters import make_drafter
+
+    for d in drafters:  # fail fast on unknown names, before anything runs
+        make_drafter(d, 1, model) if d != "none" else None
+    report = run_speculative_bench(
+        model, prompts, drafters, ints(a.num_draft, "--num-draft"), ints(a.batch_sizes, "--batch-sizes"),
+        temps, a.max_new_tokens, a.repeats,
     )
+    print_table(report)
+    if a.json_out:
+        dump(report, a.json_out)
     return 0
+
+
+def ints(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise SpecjaxError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 0:
+        raise SpecjaxError(f"{flag} takes comma-separated integers >= 0, got {text!r}")
+    return vals
 
 
 def build_parser() -> ArgumentParser:
@@ -103,14 +140,20 @@ def build_parser() -> ArgumentParser:
     g.add_argument("prompts", nargs="*", metavar="PROMPT")
     g.set_defaults(fn=cmd_generate)
 
-    b = sub.add_parser("bench", help="benchmarks (see `specjax bench -h`)")
-    b.add_argument("suite", nargs="?", default="plain", help="plain: forward/decode throughput of the target")
+    b = sub.add_parser("bench", help="benchmarks: `plain` (the target alone) or prompt suites")
+    b.add_argument("suites", nargs="?", default="humaneval",
+                   help="plain | comma-separated suites: humaneval, mtbench, sharegpt")
     add_model_args(b)
-    b.add_argument("--batch-sizes", default="1,8,32")
-    b.add_argument("--max-new-tokens", type=int, default=64)
-    b.add_argument("--prompt-len", type=int, default=128)
-    b.add_argument("--forward-t", default="1,2,4,8,16", help="token counts T for the forward-cost table")
+    b.add_argument("--prompts", dest="prompts_file", default=None, help="a JSONL file of prompts (prompt or messages)")
+    b.add_argument("--limit", type=int, default=None, help="use the first N prompts of each suite")
+    b.add_argument("--drafters", default="ngram", help="comma-separated: ngram, draft:PATH, ... (plain is always run)")
+    b.add_argument("--num-draft", default="3,5", help="comma-separated K values")
+    b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes")
+    b.add_argument("--temperature", default="0", help="comma-separated temperatures")
+    b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--prompt-len", type=int, default=128, help="plain: prompt length in tokens")
+    b.add_argument("--forward-t", default="1,2,4,8,16", help="plain: token counts T for the forward-cost table")
     b.add_argument("--json-out", default=None, help="write every figure to this JSON file")
     b.set_defaults(fn=cmd_bench)
     return p
