@@ -4,11 +4,16 @@ Reports, for each batch size: decode tokens/s, prefill tokens/s, peak memory; at
 fraction of the memory roofline (weight bytes x tokens/s / copy bandwidth measured in this run);
 and the cost of one forward pass over T = 1, 2, 4, ... tokens relative to T = 1, the ratio the
 speculative loop lives on.
+
+Shared machines are noisy, so the copy bandwidth is measured next to every timed run (median
+used), and the forward costs are timed round-robin over T, with the cache donated as in the
+engine (a fresh one per call, built outside the timed region).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import jax
@@ -18,7 +23,7 @@ from flax import nnx
 from rich.console import Console
 from rich.table import Table
 
-from specjax.bench.common import copy_bandwidth_gbs, peak_memory_mb, timed
+from specjax.bench.common import copy_bandwidth_gbs, peak_memory_mb
 from specjax.engine import Engine
 from specjax.models.loading import load_model
 from specjax.sampling import SamplingParams
@@ -27,20 +32,28 @@ from specjax.sampling import SamplingParams
 def forward_costs(model, ts: list[int], context: int, repeats: int) -> dict[int, float]:
     """Median seconds of one cached forward of T tokens at batch 1 (prefix of `context` tokens)."""
     size = context + max(ts) + 128
-    out = {}
-    for t in ts:
-        def fwd(params, tokens, cache):
-            m = nnx.merge(model.graphdef, params)
-            logits, cache, _ = m(tokens, cache)
-            return logits, cache
+    m = model.module()
 
-        f = jax.jit(fwd)
-        m = model.module()
-        cache = m.new_cache(1, size).with_lengths(jnp.asarray([context], jnp.int32))
-        tokens = jnp.ones((1, t), jnp.int32)
-        jax.block_until_ready(f(model.params, tokens, cache))
-        out[t] = timed(lambda: jax.block_until_ready(f(model.params, tokens, cache)), repeats * 3)
-    return out
+    def fwd(params, tokens, cache):
+        logits, cache, _ = nnx.merge(model.graphdef, params)(tokens, cache)
+        return logits, cache
+
+    f = jax.jit(fwd, donate_argnums=(2,))
+
+    def fresh_cache():
+        return jax.block_until_ready(m.new_cache(1, size).with_lengths(jnp.asarray([context], jnp.int32)))
+
+    tokens = {t: jnp.ones((1, t), jnp.int32) for t in ts}
+    for t in ts:  # compile + warm-up
+        jax.block_until_ready(f(model.params, tokens[t], fresh_cache()))
+    times: dict[int, list[float]] = {t: [] for t in ts}
+    for _ in range(3 * repeats):
+        for t in ts:
+            cache = fresh_cache()
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(model.params, tokens[t], cache))
+            times[t].append(time.perf_counter() - t0)
+    return {t: statistics.median(v) for t, v in times.items()}
 
 
 def run_plain_bench(model_path=None, dtype=None, batch_sizes=(1, 8, 32), max_new_tokens=64, prompt_len=128,
@@ -48,7 +61,7 @@ def run_plain_bench(model_path=None, dtype=None, batch_sizes=(1, 8, 32), max_new
     console = console or Console(stderr=True)
     model = load_model(model_path, dtype=dtype)
     engine = Engine(model)
-    bw = copy_bandwidth_gbs()
+    bws = [copy_bandwidth_gbs()]
     wbytes = model.weight_bytes()
     rng = np.random.default_rng(0)
     rows = []
@@ -56,7 +69,10 @@ def run_plain_bench(model_path=None, dtype=None, batch_sizes=(1, 8, 32), max_new
         prompts = [rng.integers(100, model.config.vocab_size, prompt_len).tolist() for _ in range(b)]
         params = [SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)] * b
         engine.generate(prompts, params)  # compile + warm-up, excluded
-        runs = [engine.generate(prompts, params)[0] for _ in range(repeats)]
+        runs = []
+        for _ in range(repeats):
+            runs.append(engine.generate(prompts, params)[0])
+            bws.append(copy_bandwidth_gbs())
         decode_s = float(np.median([r.decode_seconds for r in runs]))
         prefill_s = float(np.median([r.prefill_seconds for r in runs]))
         decode_tps = b * (max_new_tokens - 1) / decode_s  # first token comes from the prefill
@@ -68,11 +84,13 @@ def run_plain_bench(model_path=None, dtype=None, batch_sizes=(1, 8, 32), max_new
             "prefill_seconds": prefill_s,
             "peak_memory_mb": peak_memory_mb(),
         }
-        if b == 1:
-            row["roofline_fraction"] = wbytes * decode_tps / (bw * 1e9)
         rows.append(row)
         console.log(f"batch {b}: decode {decode_tps:.1f} tok/s, prefill {row['prefill_tokens_per_second']:.0f} tok/s")
     costs = forward_costs(model, list(forward_ts), prompt_len, repeats)
+    bw = statistics.median(bws)
+    for row in rows:
+        if row["batch_size"] == 1:
+            row["roofline_fraction"] = wbytes * row["decode_tokens_per_second"] / (bw * 1e9)
     result = {
         "model": model.name,
         "dtype": str(model.dtype),

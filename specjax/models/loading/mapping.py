@@ -1,4 +1,4 @@
-"""HF tensor names -> specjax params (stacked layers, fused QKV and gate/up).
+"""HF tensor names -> specjax params (one entry per layer, fused QKV and gate/up).
 
 Both loaders (safetensors and GGUF) produce tensors in HF layout (`[out, in]`) under HF names and
 hand them to :func:`params_from_hf`; :func:`params_to_hf` is the inverse, used to export models
@@ -41,34 +41,27 @@ def params_from_hf(
 
     d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     n, kv = cfg.num_heads, cfg.num_kv_heads
-    layers = {k: [] for k in ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm")}
-    for i in range(cfg.num_layers):
+
+    def layer(i):
         p = LAYER.format(i=i)
-        layers["qkv"].append(
-            np.concatenate(
-                [
-                    fetch(p + "self_attn.q_proj.weight", (n * h, d)),
-                    fetch(p + "self_attn.k_proj.weight", (kv * h, d)),
-                    fetch(p + "self_attn.v_proj.weight", (kv * h, d)),
-                ]
-            )
+        qkv = np.concatenate(
+            [
+                fetch(p + "self_attn.q_proj.weight", (n * h, d)),
+                fetch(p + "self_attn.k_proj.weight", (kv * h, d)),
+                fetch(p + "self_attn.v_proj.weight", (kv * h, d)),
+            ]
         )
-        layers["o"].append(fetch(p + "self_attn.o_proj.weight", (d, n * h)))
-        layers["gate_up"].append(
-            np.concatenate([fetch(p + "mlp.gate_proj.weight", (f, d)), fetch(p + "mlp.up_proj.weight", (f, d))])
-        )
-        layers["down"].append(fetch(p + "mlp.down_proj.weight", (d, f)))
-        layers["attn_norm"].append(fetch(p + "input_layernorm.weight", (d,)))
-        layers["mlp_norm"].append(fetch(p + "post_attention_layernorm.weight", (d,)))
-    st = {k: np.stack(v) for k, v in layers.items()}
+        gate_up = np.concatenate([fetch(p + "mlp.gate_proj.weight", (f, d)), fetch(p + "mlp.up_proj.weight", (f, d))])
+        return {
+            "attn": {"qkv": qkv, "o": fetch(p + "self_attn.o_proj.weight", (d, n * h))},
+            "mlp": {"gate_up": gate_up, "down": fetch(p + "mlp.down_proj.weight", (d, f))},
+            "attn_norm": {"scale": fetch(p + "input_layernorm.weight", (d,))},
+            "mlp_norm": {"scale": fetch(p + "post_attention_layernorm.weight", (d,))},
+        }
+
     params = {
         "embed": fetch("model.embed_tokens.weight", (cfg.vocab_size, d)),
-        "layers": {
-            "attn": {"qkv": st["qkv"], "o": st["o"]},
-            "mlp": {"gate_up": st["gate_up"], "down": st["down"]},
-            "attn_norm": {"scale": st["attn_norm"]},
-            "mlp_norm": {"scale": st["mlp_norm"]},
-        },
+        "layers": {i: layer(i) for i in range(cfg.num_layers)},
         "norm": {"scale": fetch("model.norm.weight", (d,))},
     }
     if not cfg.tie_word_embeddings:
@@ -77,23 +70,26 @@ def params_from_hf(
 
 
 def params_to_hf(cfg: LlamaConfig, params: dict) -> dict[str, np.ndarray]:
-    """Inverse of :func:`params_from_hf`: HF-named numpy tensors."""
+    """Inverse of :func:`params_from_hf`: HF-named numpy tensors.
+
+    Layer keys may be ints (`nnx.to_pure_dict`) or strings (params read back from a flat file).
+    """
     d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     n, kv = cfg.num_heads, cfg.num_kv_heads
-    lay = params["layers"]
+    layers = {int(i): lay for i, lay in params["layers"].items()}
     out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["norm"]["scale"]}
     for i in range(cfg.num_layers):
-        p = LAYER.format(i=i)
-        qkv = lay["attn"]["qkv"][i]
+        p, lay = LAYER.format(i=i), layers[i]
+        qkv = lay["attn"]["qkv"]
         out[p + "self_attn.q_proj.weight"] = qkv[: n * h]
         out[p + "self_attn.k_proj.weight"] = qkv[n * h : (n + kv) * h]
         out[p + "self_attn.v_proj.weight"] = qkv[(n + kv) * h :]
-        out[p + "self_attn.o_proj.weight"] = lay["attn"]["o"][i]
-        out[p + "mlp.gate_proj.weight"] = lay["mlp"]["gate_up"][i][:f]
-        out[p + "mlp.up_proj.weight"] = lay["mlp"]["gate_up"][i][f:]
-        out[p + "mlp.down_proj.weight"] = lay["mlp"]["down"][i]
-        out[p + "input_layernorm.weight"] = lay["attn_norm"]["scale"][i]
-        out[p + "post_attention_layernorm.weight"] = lay["mlp_norm"]["scale"][i]
+        out[p + "self_attn.o_proj.weight"] = lay["attn"]["o"]
+        out[p + "mlp.gate_proj.weight"] = lay["mlp"]["gate_up"][:f]
+        out[p + "mlp.up_proj.weight"] = lay["mlp"]["gate_up"][f:]
+        out[p + "mlp.down_proj.weight"] = lay["mlp"]["down"]
+        out[p + "input_layernorm.weight"] = lay["attn_norm"]["scale"]
+        out[p + "post_attention_layernorm.weight"] = lay["mlp_norm"]["scale"]
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = params["lm_head"]
     return {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in out.items()}

@@ -71,7 +71,7 @@ def save_file(tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str
     """Write `tensors` as a safetensors file, atomically (temp file + rename)."""
     header, offset, arrays = {}, 0, []
     for name, a in tensors.items():
-        a = np.ascontiguousarray(a)
+        a = np.ascontiguousarray(a).reshape(np.shape(a))  # ascontiguousarray turns 0-d into 1-d
         nbytes = a.nbytes
         header[name] = {"dtype": NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + nbytes]}
         arrays.append(a)

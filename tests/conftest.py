@@ -1,0 +1,95 @@
+"""Shared fixtures.
+
+Expensive things are built once per session: the default model (GGUF conversion on a cold
+cache), the HF transformers reference loaded from the same GGUF, and a tiny HF checkpoint
+directory with the default model's tokenizer.
+
+The converted-GGUF cache (`SPECJAX_CACHE`) is a session temp directory, so the suite never
+reads or writes the user's `~/.cache/specjax` and exercises the conversion path from a cold
+cache. Set `SPECJAX_TEST_CACHE=/some/dir` to reuse a cache across runs (saves the ~30 s
+conversion while iterating); the cache tests work either way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from helpers import hf_llama_config
+
+
+@pytest.fixture(scope="session", autouse=True)
+def specjax_cache(tmp_path_factory):
+    """SPECJAX_CACHE for the whole session (inherited by CLI subprocesses)."""
+    path = os.environ.get("SPECJAX_TEST_CACHE") or str(tmp_path_factory.mktemp("specjax_cache"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECJAX_CACHE", path)
+        # No network here: make any hub lookup fail fast instead of timing out.
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+        yield path
+
+
+def pytest_configure(config):
+    import torch
+
+    # One thread: with OpenMP's spin-waiting, two torch threads sharing two cores with XLA's
+    # thread pool (or any other load) ran HF decoding ~7x slower than one thread (measured).
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def default_model(specjax_cache):
+    """The embedded SmolLM2-135M-Instruct, f32, loaded (and converted) once."""
+    import specjax
+
+    return specjax.load_model(dtype="float32", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def default_gguf_path():
+    from specjax.models.loading import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(default_gguf_path):
+    """HF transformers' own reading of the same GGUF file: the parity reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(default_gguf_path),
+        gguf_file=os.path.basename(default_gguf_path),
+        dtype=torch.float32,
+        attn_implementation="eager",
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_tok_dir(tmp_path_factory, default_model):
+    """A tiny random HF checkpoint (vocab 49152, context 64) with the default model's tokenizer,
+    so the CLI can run string prompts on it in a second instead of loading the real model."""
+    from transformers import LlamaForCausalLM
+
+    import torch
+
+    d = str(tmp_path_factory.mktemp("tiny_tok"))
+    torch.manual_seed(0)
+    cfg = hf_llama_config(
+        vocab_size=default_model.config.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
+    default_model.tokenizer.save_pretrained(d)
+    return d

@@ -1,0 +1,83 @@
+"""Helpers shared by the tests (imported as `helpers`; pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import numpy as np
+
+
+def hf_llama_config(**kw):
+    """A transformers LlamaConfig for tiny random models (eager attention, f32)."""
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    base.update(kw)
+    cfg = HFLlamaConfig(**base)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def random_hf_model(seed: int = 0, **kw):
+    """A random HF LlamaForCausalLM in eval mode, with non-trivial RMSNorm scales (HF inits
+    them to ones, which would hide a dropped or misplaced norm weight)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(hf_llama_config(**kw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    return model
+
+
+def specjax_from_hf(hf_model):
+    """The specjax Model holding exactly `hf_model`'s weights (config read from its HF dict)."""
+    from specjax.models.config import LlamaConfig
+    from specjax.models.loading import Model, build_model
+    from specjax.models.loading.mapping import params_from_hf
+
+    import jax.numpy as jnp
+
+    cfg = LlamaConfig.from_hf(hf_model.config.to_dict())
+    sd = {k: v.detach().cpu().numpy() for k, v in hf_model.state_dict().items()}
+    pure = params_from_hf(cfg, lambda n: sd[n], np.float32)
+    graphdef, state = build_model(cfg, pure, jnp.float32)
+    return Model(cfg, graphdef, state, None, "from-hf", "memory")
+
+
+def rel_err(a, b) -> float:
+    """max|a - b| / max|b|, in f32 (no float64 anywhere)."""
+    a = np.asarray(a, np.float32)
+    b = np.asarray(b, np.float32)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def copy_dir(src: str, dst: str) -> str:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def specjax_cli_cmd() -> list[str]:
+    """The installed `specjax` console script of this interpreter's environment."""
+    script = os.path.join(os.path.dirname(sys.executable), "specjax")
+    return [script] if os.path.isfile(script) else [sys.executable, "-m", "specjax.cli"]
