@@ -218,15 +218,17 @@ class Engine:
 
         pre_static = dict(cache_size=s, collect=drafter.hidden_layers, want_final=drafter.needs_final_hidden)
         pre = self._get("prefill", _prefill, pre_static, (), mp, prompt, prompt_len)
+        # Compile decode before timing anything: its arguments' shapes are known without running.
+        c_shape, l_shape, h_shape, f_shape = pre.out_info
+        dec_static = dict(drafter=drafter, all_greedy=all_greedy, implementation=self.implementation)
+        dec = self._get("decode", _decode, dec_static, (2,), mp, dparams, c_shape, l_shape, prompt, prompt_len,
+                        h_shape, f_shape, samp, max_new_arr, stop_arr, key)
         t0 = time.perf_counter()
         cache, last_logits, pre_hidden, pre_final = pre(mp, prompt, prompt_len)
         jax.block_until_ready(last_logits)
         t1 = time.perf_counter()
-        args = (mp, dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final,
-                samp, max_new_arr, stop_arr, key)
-        dec_static = dict(drafter=drafter, all_greedy=all_greedy, implementation=self.implementation)
-        dec = self._get("decode", _decode, dec_static, (2,), *args)
-        st = dec(*args)
+        st = dec(mp, dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final,
+                 samp, max_new_arr, stop_arr, key)
         history = np.asarray(st.history)
         t2 = time.perf_counter()
         hist_len, stopped = np.asarray(st.hist_len), np.asarray(st.stopped)

@@ -214,11 +214,6 @@ def test_per_row_max_new_tokens_and_stop_ids(model, prompts, batch_result):
     assert out[3].token_ids == ref[3] and out[3].finish_reason == "length"
 
 
-@pytest.mark.xfail(
-    reason="engine.py times the decode compile inside decode_seconds (compile is meant to be "
-    "excluded), so the first call's tokens_per_second is off by orders of magnitude",
-    strict=False,
-)
 def test_first_call_decode_seconds_excludes_compile(model):
     prompts = [[1, 2, 3], [4, 5]]  # B = 2: a shape no other test compiled
     sp = specjax.SamplingParams(max_new_tokens=4, ignore_eos=True)
