@@ -118,7 +118,10 @@ def target_probs(logits: jax.Array, s: SamplingArrays) -> jax.Array:
 
 def sample(key: jax.Array, logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """Draw one token per position. logits `[B, ..., V]` -> tokens `[B, ...]` int32."""
-    x = process_logits(logits, s)
-    drawn = jax.random.categorical(key, x, axis=-1)
-    greedy = _expand(s.temperature, logits.ndim - 1) <= 0
-    return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(_):  # skipped at run time for all-greedy batches (a vocab-sized random draw)
+        drawn = jax.random.categorical(key, process_logits(logits, s), axis=-1).astype(jnp.int32)
+        return jnp.where(_expand(s.temperature, logits.ndim - 1) <= 0, best, drawn)
+
+    return jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda _: best, None)

@@ -6,8 +6,8 @@ and the cost of one forward pass over T = 1, 2, 4, ... tokens relative to T = 1,
 speculative loop lives on.
 
 Shared machines are noisy, so the copy bandwidth is measured next to every timed run (median
-used), and the forward costs are timed round-robin over T, with the cache donated as in the
-engine (a fresh one per call, built outside the timed region).
+used), and the forward costs are timed round-robin over T inside a compiled loop, as the engine
+runs them (see `forward_costs`).
 """
 
 from __future__ import annotations
@@ -29,16 +29,28 @@ from specjax.models.loading import load_model
 from specjax.sampling import SamplingParams
 
 
-def forward_costs(model, ts: list[int], context: int, repeats: int) -> dict[int, float]:
-    """Median seconds of one cached forward of T tokens at batch 1 (prefix of `context` tokens)."""
+def forward_costs(model, ts: list[int], context: int, repeats: int, steps: int = 8) -> dict[int, float]:
+    """Median seconds of one cached forward of T tokens at batch 1 (prefix of `context` tokens).
+
+    Timed as the engine runs it: `steps` forwards inside one compiled loop that carries the
+    (donated) cache, divided by `steps`. The tokens change every step and every logit feeds the
+    carry, so XLA can neither hoist work out of the loop nor drop the LM head as dead code.
+    """
     size = context + max(ts) + 128
     m = model.module()
+    vocab = model.config.vocab_size
 
-    def fwd(params, tokens, cache):
-        logits, cache, _ = nnx.merge(model.graphdef, params)(tokens, cache)
-        return logits, cache
+    def run(params, tokens, cache):
+        model_ = nnx.merge(model.graphdef, params)
 
-    f = jax.jit(fwd, donate_argnums=(2,))
+        def step(i, carry):
+            cache, acc = carry
+            logits, cache, _ = model_((tokens + i) % vocab, cache)  # [1, T, V]
+            return cache, acc + jnp.argmax(logits, axis=-1).sum()
+
+        return jax.lax.fori_loop(0, steps, step, (cache, jnp.zeros((), jnp.int32)))
+
+    f = jax.jit(run, donate_argnums=(2,))
 
     def fresh_cache():
         return jax.block_until_ready(m.new_cache(1, size).with_lengths(jnp.asarray([context], jnp.int32)))
@@ -47,12 +59,12 @@ def forward_costs(model, ts: list[int], context: int, repeats: int) -> dict[int,
     for t in ts:  # compile + warm-up
         jax.block_until_ready(f(model.params, tokens[t], fresh_cache()))
     times: dict[int, list[float]] = {t: [] for t in ts}
-    for _ in range(3 * repeats):
-        for t in ts:
+    for _ in range(repeats):
+        for t in ts:  # round-robin, so that load drifts hit every T alike
             cache = fresh_cache()
             t0 = time.perf_counter()
             jax.block_until_ready(f(model.params, tokens[t], cache))
-            times[t].append(time.perf_counter() - t0)
+            times[t].append((time.perf_counter() - t0) / steps)
     return {t: statistics.median(v) for t, v in times.items()}
 
 
