@@ -4,7 +4,6 @@ Statistical tests use a G-test at alpha = 1e-3 with a Bonferroni correction over
 in this file; each case draws >= 1e5 speculative steps with independent seeds.
 """
 
-import itertools
 
 import jax
 import jax.numpy as jnp

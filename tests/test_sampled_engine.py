@@ -6,7 +6,6 @@ tokens (every path through the model) and compare it with many independent rows 
 by a G-test (alpha = 1e-3, Bonferroni over the laws tested here).
 """
 
-import itertools
 
 import jax
 import jax.numpy as jnp

@@ -1,7 +1,6 @@
 """Greedy speculative decoding is token-identical to plain greedy decoding, on the real default
 model, for every drafter and K, in batches of mixed-length prompts."""
 
-import numpy as np
 import pytest
 
 import specjax

@@ -23,19 +23,6 @@ def copy_bandwidth_gbs(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
-def device_copy_bandwidth_gbs(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Device memory copy bandwidth (read + write) with a jitted copy; on CPU close to the above."""
-    x = jax.numpy.ones((nbytes // 4,), jax.numpy.float32)
-    f = jax.jit(lambda a: a + 0.0)
-    f(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * nbytes / statistics.median(times) / 1e9
-
-
 def peak_memory_mb() -> float:
     """Peak device memory where the backend reports it, else the process's peak RSS."""
     stats = jax.devices()[0].memory_stats() or {}

@@ -47,7 +47,6 @@ class DraftModelDrafter(Drafter):
     def propose(self, dparams, cache, ctx: StepContext):
         m = nnx.merge(self.model.graphdef, dparams)
         hist, length = ctx.history, ctx.hist_len
-        b = hist.shape[0]
         start = length - 2  # == cache.lengths
         two = jnp.take_along_axis(hist, start[:, None] + jnp.arange(2)[None], axis=1)  # [B, 2]
         keys = jax.random.split(ctx.key, self.num_draft)

@@ -12,7 +12,6 @@ temperature.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from specjax.drafters.base import Drafter, StepContext

@@ -74,7 +74,7 @@ def params_to_hf(cfg: LlamaConfig, params: dict) -> dict[str, np.ndarray]:
 
     Layer keys may be ints (`nnx.to_pure_dict`) or strings (params read back from a flat file).
     """
-    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    f, h = cfg.intermediate_size, cfg.head_dim
     n, kv = cfg.num_heads, cfg.num_kv_heads
     layers = {int(i): lay for i, lay in params["layers"].items()}
     out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["norm"]["scale"]}
