@@ -1,4 +1,4 @@
-"""The `specjax` command line: generate, bench.
+"""The `specjax` command line: generate, bench, batch, train.
 
 Errors caused by the user print one line on stderr and exit with code 2; internal failures print
 one line and exit with code 1 (set SPECJAX_DEBUG=1 for the traceback).
@@ -72,7 +72,15 @@ def cmd_generate(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    suites = [x for x in a.suites.split(",") if x] if a.suites else []
+    if a.preset:
+        if a.suites or a.prompts_file:
+            raise SpecjaxError("bench: --preset runs its own measurements; drop SUITE/--prompts")
+        from specjax.bench.accel import run_preset
+
+        run_preset(a.preset, model_path=a.model, dtype=a.dtype, mal_from=a.mal_from, json_out=a.json_out,
+                   time_budget=a.time_budget)
+        return 0
+    suites = [x for x in (a.suites or ("" if a.prompts_file else "humaneval")).split(",") if x]
     if a.prompts_file:
         suites.append("file")
     if suites == ["plain"]:
@@ -84,10 +92,27 @@ def cmd_bench(a) -> int:
             forward_ts=ints(a.forward_t, "--forward-t"), repeats=a.repeats, json_out=a.json_out,
         )
         return 0
-    import specjax
+    # Everything the user can get wrong is checked before the target loads and anything runs.
     from specjax import datasets
-    from specjax.bench.speculative import dump, print_table, run_speculative_bench
+    from specjax.bench import peers
+    from specjax.bench.speculative import bench_suites, check_drafter_names
 
+    drafters = [d.strip() for d in a.drafters.split(",") if d.strip()]
+    check_drafter_names(drafters)
+    peer_names = [p.strip() for p in (a.peers or "").split(",") if p.strip()]
+    peers.check_peers(peer_names)
+    num_drafts = ints(a.num_draft, "--num-draft")
+    batch_sizes = ints(a.batch_sizes, "--batch-sizes")
+    if min(num_drafts) < 1 or min(batch_sizes) < 1:
+        raise SpecjaxError("--num-draft and --batch-sizes take integers >= 1")
+    if a.repeats < 1 or a.max_new_tokens < 1:
+        raise InvalidSamplingError("--repeats and --max-new-tokens must be >= 1")
+    try:
+        temps = [float(x) for x in a.temperature.split(",") if x]
+    except ValueError:
+        raise SpecjaxError(f"--temperature takes comma-separated numbers, got {a.temperature!r}") from None
+    if not temps or min(temps) < 0:
+        raise InvalidSamplingError(f"temperatures must be >= 0, got {a.temperature!r}")
     prompts = {}
     for s in suites:
         if s == "file":
@@ -96,23 +121,43 @@ def cmd_bench(a) -> int:
             raise SpecjaxError("bench: 'plain' cannot be combined with other suites")
         else:
             prompts[s] = datasets.load_suite(s, a.limit)
-    temps = [float(x) for x in a.temperature.split(",")]
-    for t in temps:
-        if t < 0:
-            raise InvalidSamplingError(f"temperature must be >= 0, got {t}")
-    model = specjax.load_model(a.model, dtype=a.dtype)
-    drafters = [d for d in a.drafters.split(",") if d]
-    from specjax.drafters import make_drafter
+        if not prompts[s]:
+            raise SpecjaxError(f"bench: suite {s!r} has no prompts")
+    import specjax
 
-    for d in drafters:  # fail fast on unknown names, before anything runs
-        make_drafter(d, 1, model) if d != "none" else None
-    report = run_speculative_bench(
-        model, prompts, drafters, ints(a.num_draft, "--num-draft"), ints(a.batch_sizes, "--batch-sizes"),
-        temps, a.max_new_tokens, a.repeats,
+    model = specjax.load_model(a.model, dtype=a.dtype)
+    bench_suites(model, prompts, drafters, num_drafts, batch_sizes, temps, a.max_new_tokens, a.repeats,
+                 peers=peer_names, json_out=a.json_out, plots_dir=a.plots_dir)
+    return 0
+
+
+def cmd_batch(a) -> int:
+    """`specjax batch`: a resumable job over a JSONL file (specjax/serving/batch.py)."""
+    from specjax.serving import batch, scaleout
+
+    if a.merge:
+        if a.num_processes is None:
+            raise SpecjaxError("batch --merge needs --num-processes N")
+        rows = scaleout.merge_parts(a.output, a.num_processes)
+        print(f"specjax batch: merged {a.num_processes} parts: {rows} rows in {a.output}", file=sys.stderr)
+        return 0
+    if a.num_draft < 0:
+        raise InvalidSamplingError(f"--num-draft must be >= 0, got {a.num_draft}")
+    if a.limit is not None and a.limit < 1:
+        raise SpecjaxError(f"--limit must be >= 1, got {a.limit}")
+    cfg = batch.BatchConfig(
+        output=a.output, input=a.input, suite=a.suite, limit=a.limit, model=a.model, dtype=a.dtype,
+        drafter=a.drafter, num_draft=a.num_draft, sampling=sampling_from_args(a), batch_size=a.batch_size,
+        latency_class=a.latency_class, raw=a.raw, mesh=a.mesh, merge_wait=a.merge_wait, progress=not a.no_progress,
+        num_processes=a.num_processes or 1, process_id=a.process_id or 0,
     )
-    print_table(report)
-    if a.json_out:
-        dump(report, a.json_out)
+    batch.check_paths(cfg)  # before the rendezvous and the model load
+    if a.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        cfg.process_id, cfg.num_processes = scaleout.init_distributed(
+            a.coordinator, a.num_processes, a.process_id, stay_connected=a.stay_connected)
+    elif (a.num_processes is None) != (a.process_id is None):
+        raise SpecjaxError("batch: give --num-processes and --process-id together (or --coordinator)")
+    batch.run_batch(cfg)
     return 0
 
 
@@ -140,30 +185,90 @@ def build_parser() -> ArgumentParser:
     g.add_argument("prompts", nargs="*", metavar="PROMPT")
     g.set_defaults(fn=cmd_generate)
 
-    b = sub.add_parser("bench", help="benchmarks: `plain` (the target alone) or prompt suites")
-    b.add_argument("suites", nargs="?", default="humaneval",
-                   help="plain | comma-separated suites: humaneval, mtbench, sharegpt")
+    b = sub.add_parser("bench", help="benchmarks: `plain` (the target alone), prompt suites, or --preset")
+    b.add_argument("suites", nargs="?", default=None,
+                   help="plain | comma-separated suites: humaneval, mtbench, sharegpt (default: humaneval)")
     add_model_args(b)
     b.add_argument("--prompts", dest="prompts_file", default=None, help="a JSONL file of prompts (prompt or messages)")
     b.add_argument("--limit", type=int, default=None, help="use the first N prompts of each suite")
-    b.add_argument("--drafters", default="ngram", help="comma-separated: ngram, draft:PATH, ... (plain is always run)")
+    b.add_argument("--drafters", default="ngram",
+                   help="comma-separated drafter specs: none, ngram, draft:PATH, mtp[:PATH], eagle3[:PATH], ... "
+                   "(plain decoding is always run)")
     b.add_argument("--num-draft", default="3,5", help="comma-separated K values")
     b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes")
     b.add_argument("--temperature", default="0", help="comma-separated temperatures")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--peers", default="", help="comma-separated: hf (transformers, needs torch), llamacpp (skipped "
+                   "if llama_cpp is not installed)")
     b.add_argument("--prompt-len", type=int, default=128, help="plain: prompt length in tokens")
     b.add_argument("--forward-t", default="1,2,4,8,16", help="plain: token counts T for the forward-cost table")
-    b.add_argument("--json-out", default=None, help="write every figure to this JSON file")
+    b.add_argument("--json-out", default=None, help="write every figure to this JSON file (and plots next to it)")
+    b.add_argument("--plots-dir", default=None, help="write the PNG plots here (default: next to --json-out)")
+    b.add_argument("--preset", default=None, choices=["h200", "cpu-smoke"],
+                   help="accelerator measurements (specjax/bench/accel.py): h200 fits one 10-minute GPU run, "
+                   "cpu-smoke is a seconds-long reduced form")
+    b.add_argument("--mal-from", default=None, help="--preset: take MALs for the projected speedups from this "
+                   "`specjax bench --json-out` file (default: assumed MALs, labelled as such)")
+    b.add_argument("--time-budget", type=float, default=None, help="--preset: seconds before remaining parts are "
+                   "skipped (default: the preset's)")
     b.set_defaults(fn=cmd_bench)
+
+    j = sub.add_parser("batch", help="a resumable batch job: JSONL of prompts in, JSONL of results out")
+    j.add_argument("--input", default=None, help='JSONL rows {"id", "prompt" | "messages"} with optional '
+                   "temperature, top_k, top_p, max_new_tokens, seed")
+    j.add_argument("--suite", default=None, help="instead of --input: a packaged suite (humaneval, mtbench, sharegpt)")
+    j.add_argument("--limit", type=int, default=None, help="only the first N rows of the input or suite")
+    j.add_argument("--output", required=True, help="results JSONL (appended; rerun the same command to resume)")
+    add_model_args(j)
+    add_sampling_args(j)
+    j.add_argument("--drafter", default="none", help="none | ngram | draft:PATH | mtp[:PATH] | eagle3[:PATH]")
+    j.add_argument("--num-draft", type=int, default=0, help="K, draft tokens per step")
+    j.add_argument("--batch-size", type=int, default=None, help="rows per batch (default: 16 for the batch "
+                   "latency class, 1 for interactive)")
+    j.add_argument("--latency-class", default="batch", choices=["batch", "interactive"])
+    j.add_argument("--raw", action="store_true", help='do not apply the chat template to "prompt" strings')
+    j.add_argument("--mesh", default=None, help="local device mesh, e.g. data=4 or data=2,model=2 "
+                   "(default: every local device on data)")
+    j.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 for jax.distributed.initialize, "
+                   "or auto (TPU pods, SLURM, MPI); default: $JAX_COORDINATOR_ADDRESS if set")
+    j.add_argument("--num-processes", type=int, default=None, help="processes sharing the input (row i goes to "
+                   "process i %% N); without --coordinator, runs process --process-id alone (restarts)")
+    j.add_argument("--process-id", type=int, default=None)
+    j.add_argument("--merge", action="store_true", help="only merge the complete parts of --output")
+    j.add_argument("--merge-wait", type=float, default=600.0, help="process 0 stops waiting for the other "
+                   "parts when none has grown for this many seconds")
+    j.add_argument("--stay-connected", action="store_true", help="keep jax.distributed (and its health "
+                   "checks, which stop every process when one dies) after the rendezvous")
+    j.add_argument("--no-progress", action="store_true", help="no progress bar (the summary is still printed)")
+    j.set_defaults(fn=cmd_batch)
+
+    t = sub.add_parser("train", help="train a drafter for the target (train/: data, features, Optax, Orbax)")
+    t.add_argument("args", nargs="*", metavar="[DRAFTER] [KEY=VALUE ...]",
+                   help="eagle3 (overrides the recipe's `drafter`), then recipe overrides, e.g. optim.steps=200")
+    t.add_argument("--config", default=None, help="a recipe YAML, e.g. configs/eagle3-smollm2.yaml")
+    t.add_argument("--stop-after", type=int, default=None, help="stop after this many training steps (resume "
+                   "later by rerunning the same command)")
+    t.set_defaults(fn=cmd_train)
     return p
+
+
+def cmd_train(a) -> int:
+    from train.cli import main as train_main
+
+    return train_main(a)
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     parser = build_parser()
     try:
-        a = parser.parse_args(argv)
+        a, extra = parser.parse_known_args(argv)
+        if extra and getattr(a, "command", None) == "train":  # KEY=VALUE overrides after --config
+            a.args += [x for x in extra if not x.startswith("-")]
+            extra = [x for x in extra if x.startswith("-")]
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         if not getattr(a, "fn", None):
             parser.print_help()
             return EXIT_BAD_INPUT

@@ -6,7 +6,8 @@ Two compiled functions per shape bucket (batch, prompt bucket T, cache size S, d
   lengths in one pass (row b's prompt at positions 0..prompt_len[b]-1) and returns the cache, the
   last-position logits and, for drafters that read them, the target's hidden states;
 * `decode(...)` samples the first token, initialises the drafter and runs the loop. Each step:
-  the drafter proposes K tokens; the target verifies [last, d_1..d_K] in one forward (T = K + 1);
+  the drafter proposes K tokens; the target verifies [last, d_1..d_K] in one forward (T = K + 1),
+  or, when the drafter marks no live row's drafts as worth it, runs a plain one-token step;
   the accept step keeps n drafts and adds one token; each row commits its own n + 1 tokens (KV
   cache lengths advance by n + 1; rejected positions are rolled back by not advancing); rows stop
   on EOS / stop ids / their own max_new_tokens. Per-row statistics (steps, per-position checks
@@ -114,20 +115,42 @@ def _decode(graphdef, params, dparams, cache, last_logits, prompt, prompt_len, p
     def cond(st: LoopState):
         return ~jnp.all(st.done)
 
+    def verify(tokens_in, draft, q, cache, k_accept):
+        """Target pass over [last, d_1..d_K] [B, K+1] and the accept step."""
+        h, cache, hidden = model.hidden(tokens_in, cache, collect=collect)  # [B, K+1, D]
+        n, emitted = accept(model.logits(h), draft, q, samp, k_accept, all_greedy, implementation)
+        return n, emitted, cache, hidden, (h if drafter.needs_final_hidden else None)
+
+    def plain_step(tokens_in, draft, q, cache, k_accept):
+        """One token without verification, padded to verify()'s shapes (drafts all rejected)."""
+        h, cache, hidden = model.hidden(tokens_in[:, :1], cache, collect=collect)  # [B, 1, D]
+        tok = sample(k_accept, model.logits(h[:, 0]), samp)  # [B]
+        emitted = jnp.concatenate([tok[:, None], jnp.full((b, k), -1, jnp.int32)], axis=1)  # [B, K+1]
+        pad = [(0, 0)] * (h.ndim - 2) + [(0, k), (0, 0)]  # T axis: 1 -> K+1
+        hidden = None if hidden is None else jnp.pad(hidden, [(0, 0)] + pad)
+        final = jnp.pad(h, pad) if drafter.needs_final_hidden else None
+        return jnp.zeros((b,), jnp.int32), emitted, cache, hidden, final
+
     def body(st: LoopState):
         key, k_draft, k_accept = jax.random.split(st.key, 3)
         live = ~st.done
         last = jnp.take_along_axis(st.history, (st.hist_len - 1)[:, None], axis=1)  # [B, 1]
         if k > 0:
             ctx = StepContext(st.history, st.hist_len, samp, k_draft, all_greedy)
-            draft, q, dstate = drafter.propose(dparams, st.draft_state, ctx)  # [B, K]
+            proposal, dstate = drafter.propose(dparams, st.draft_state, ctx)
+            draft, q = proposal.draft, proposal.q  # [B, K], [B, K, V] | None
             tokens_in = jnp.concatenate([last, draft], axis=1)  # [B, K+1]
+            operands = (tokens_in, draft, q, st.cache, k_accept)
+            if proposal.active is None:
+                verified = jnp.asarray(True)
+                n, emitted, cache, hidden, final = verify(*operands)
+            else:  # skip the (K+1)-token pass when no live row has drafts worth checking
+                verified = jnp.any(proposal.active & live)
+                n, emitted, cache, hidden, final = jax.lax.cond(verified, verify, plain_step, *operands)
         else:
             draft, q, dstate = jnp.zeros((b, 0), jnp.int32), None, st.draft_state
-            tokens_in = last
-        h, cache, hidden = model.hidden(tokens_in, st.cache, collect=collect)  # [B, K+1, D]
-        logits = model.logits(h)  # [B, K+1, V]
-        n, emitted = accept(logits, draft, q, samp, k_accept, all_greedy, implementation)
+            verified = jnp.asarray(False)
+            n, emitted, cache, hidden, final = verify(last, draft, q, st.cache, k_accept)
 
         # Truncate at the first stop token and at max_new; only live rows write.
         num_out = st.hist_len - prompt_len
@@ -146,11 +169,9 @@ def _decode(graphdef, params, dparams, cache, last_logits, prompt, prompt_len, p
         cache = cache.advance(jnp.where(live, n + 1, 0))
 
         if k > 0:
-            dstate = drafter.commit(
-                dparams, dstate,
-                CommitContext(n, emitted, history, hist_len, live, hidden, h if drafter.needs_final_hidden else None),
-            )
+            dstate = drafter.commit(dparams, dstate, CommitContext(n, emitted, history, hist_len, live, hidden, final))
         pos = jnp.arange(k)[None]
+        checked = live[:, None] & verified & (pos <= n[:, None])  # [B, K]
         return LoopState(
             cache=cache,
             draft_state=dstate,
@@ -160,8 +181,8 @@ def _decode(graphdef, params, dparams, cache, last_logits, prompt, prompt_len, p
             stopped=stopped,
             key=key,
             steps=st.steps + live,
-            checked=st.checked + (live[:, None] & (pos <= n[:, None])),
-            accepted=st.accepted + (live[:, None] & (pos < n[:, None])),
+            checked=st.checked + checked,
+            accepted=st.accepted + (checked & (pos < n[:, None])),
         )
 
     return jax.lax.while_loop(cond, body, state)
@@ -170,9 +191,13 @@ def _decode(graphdef, params, dparams, cache, last_logits, prompt, prompt_len, p
 class Engine:
     """Runs batches of tokenized prompts through the compiled loop; caches compiled code."""
 
-    def __init__(self, model: Model, implementation: str = "auto"):
+    def __init__(self, model: Model, implementation: str = "auto", mesh: jax.sharding.Mesh | None = None):
+        """`mesh`: a device mesh with a `data` axis; rows are then sharded over `data` (batch sizes
+        must be multiples of its size) and jit propagates that through the loop. The model's params
+        are used as placed (replicated, or split over a `model` axis: specjax/serving/batch.py)."""
         self.model = model
         self.implementation = implementation
+        self.mesh = mesh
         self._compiled: dict = {}
         self.compile_seconds = 0.0  # total spent compiling, reported apart from run time
 
@@ -215,6 +240,13 @@ class Engine:
         max_new_arr = jnp.asarray([p.max_new_tokens for p in params], jnp.int32)
         stop_arr = jnp.asarray(stop_arr)
         mp, dparams = self.model.params, drafter.params()
+        if self.mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            rows, repl = NamedSharding(self.mesh, PartitionSpec("data")), NamedSharding(self.mesh, PartitionSpec())
+            prompt, prompt_len, samp, max_new_arr, stop_arr = jax.device_put(
+                (prompt, prompt_len, samp, max_new_arr, stop_arr), rows)
+            key, dparams = jax.device_put((key, dparams), repl)
 
         pre_static = dict(cache_size=s, collect=drafter.hidden_layers, want_final=drafter.needs_final_hidden)
         pre = self._get("prefill", _prefill, pre_static, (), mp, prompt, prompt_len)

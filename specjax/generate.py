@@ -14,7 +14,7 @@ from specjax.sampling import SamplingParams
 Prompt = str | Sequence[dict] | Sequence[int]
 
 _MODELS: dict[tuple, Model] = {}
-_ENGINES: dict[int, tuple[Model, Engine]] = {}
+_ENGINES: dict[tuple, tuple[Model, Engine]] = {}
 _DRAFTERS: dict[tuple, tuple[Model, Drafter]] = {}
 
 
@@ -57,11 +57,13 @@ def get_model(model: Model | str | None, dtype: str | None = None) -> Model:
     return _MODELS[key]
 
 
-def get_engine(model: Model) -> Engine:
-    hit = _ENGINES.get(id(model))
+def get_engine(model: Model, mesh=None) -> Engine:
+    """One engine (and its compiled code) per model and device mesh."""
+    key = (id(model), mesh)
+    hit = _ENGINES.get(key)
     if hit is None or hit[0] is not model:
-        hit = (model, Engine(model))
-        _ENGINES[id(model)] = hit
+        hit = (model, Engine(model, mesh=mesh))
+        _ENGINES[key] = hit
     return hit[1]
 
 
@@ -130,12 +132,14 @@ def generate(
     num_draft: int = 0,
     raw: bool = False,
     dtype: str | None = None,
+    mesh=None,
 ) -> list[GenerationResult]:
     """Generate a continuation for each prompt, batched.
 
     `prompts`: one prompt or a list (strings get the chat template unless `raw`; message lists;
     token-id lists). `sampling`: one `SamplingParams` for all rows or one per row.
-    `max_new_tokens` overrides the sampling params' value.
+    `max_new_tokens` overrides the sampling params' value. `mesh`: a `jax.sharding.Mesh` with a
+    `data` axis to shard rows over (the number of prompts must be a multiple of its size).
     """
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
         prompts = [prompts]
@@ -152,7 +156,7 @@ def generate(
     for x, p in zip(ids, params):
         check_fits(m, len(x), p.max_new_tokens)
     d = get_drafter(drafter, num_draft, m)
-    engine = get_engine(m)
+    engine = get_engine(m, mesh)
     rows = engine.generate(ids, params, eos_ids=m.config.eos_token_ids, drafter=d)
     results = []
     for x, row in zip(ids, rows):

@@ -81,3 +81,6 @@ def specjax_cli_cmd() -> list[str]:
     """The installed `specjax` console script of this interpreter's environment."""
     script = os.path.join(os.path.dirname(sys.executable), "specjax")
     return [script] if os.path.isfile(script) else [sys.executable, "-m", "specjax.cli"]
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,8 +13,10 @@ runs them (see `forward_costs`).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -56,14 +58,22 @@ def forward_costs(model, ts: list[int], context: int, repeats: int, steps: int =
         return jax.block_until_ready(m.new_cache(1, size).with_lengths(jnp.asarray([context], jnp.int32)))
 
     tokens = {t: jnp.ones((1, t), jnp.int32) for t in ts}
-    for t in ts:  # compile + warm-up
-        jax.block_until_ready(f(model.params, tokens[t], fresh_cache()))
+    # One executable per T: traced here in turn, compiled in parallel (XLA releases the GIL while
+    # compiling; an unrolled 30-layer model takes tens of seconds per shape, which a many-core
+    # host overlaps).
+    cache0 = fresh_cache()
+    lowered = {t: f.lower(model.params, tokens[t], cache0) for t in ts}
+    del cache0
+    with ThreadPoolExecutor(max_workers=min(len(ts), os.cpu_count() or 1)) as pool:
+        exe = dict(zip(ts, pool.map(lambda lw: lw.compile(), [lowered[t] for t in ts])))
+    for t in ts:  # warm-up
+        jax.block_until_ready(exe[t](model.params, tokens[t], fresh_cache()))
     times: dict[int, list[float]] = {t: [] for t in ts}
     for _ in range(repeats):
         for t in ts:  # round-robin, so that load drifts hit every T alike
             cache = fresh_cache()
             t0 = time.perf_counter()
-            jax.block_until_ready(f(model.params, tokens[t], cache))
+            jax.block_until_ready(exe[t](model.params, tokens[t], cache))
             times[t].append((time.perf_counter() - t0) / steps)
     return {t: statistics.median(v) for t, v in times.items()}
 

@@ -1,19 +1,25 @@
 """`specjax bench SUITE...`: every drafter and K against plain decoding, same process, interleaved.
 
-Methodology: every (drafter, K) configuration is compiled and run once before timing (warm-up,
-reported as compile seconds); then, for each repeat, plain decoding and every configuration run
-over the same prompt batches one after another, so machine drift hits all alike; figures are
-medians over repeats; speedup = configuration tokens/s / plain tokens/s at the same batch size
-and sampling settings.
+Methodology: every (drafter, K) configuration is compiled and run once over one batch before
+timing (the warm-up, reported apart: `warmup_seconds`, `compile_seconds`); then, for each
+repeat, plain decoding and every configuration run over the same prompt batches one after
+another, so machine drift hits all alike; figures are medians over repeats; speedup =
+configuration tokens/s ÷ plain tokens/s at the same suite, batch size and sampling settings
+(`report.add_speedups`). A batch size larger than a suite cycles its prompts, so every timed
+batch really holds B rows.
 
 Time shares of draft / verify / accept come from timing each component as its own compiled
 function at the loop's shapes (inside the fused loop they cannot be separated).
+
+The JSON report's fields are documented in `report.py`; plots in `plots.py`; other
+implementations (HF transformers, llama.cpp) in `peers.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
+import re
 import statistics
 import time
 
@@ -22,161 +28,311 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.bench.common import peak_memory_mb, timed
-from specjax.drafters import make_drafter
+from specjax.bench import report as rep
+from specjax.bench.common import PeakMemory, compiled_memory_mb, timed
 from specjax.drafters.base import InitContext, StepContext
 from specjax.engine import Engine, _prefill
-from specjax.generate import encode_prompt
+from specjax.errors import DrafterError
+from specjax.generate import encode_prompt, get_drafter
 from specjax.sampling import SamplingArrays, SamplingParams
 from specjax.verify import accept
 
 
 @dataclasses.dataclass
+class Config:
+    """One measured configuration: a drafter spec as given on the command line and its K."""
+
+    spec: str  # "none" | "ngram" | "draft:PATH" | "mtp" | ...
+    num_draft: int
+    drafter: object  # specjax.drafters.Drafter
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.spec, self.num_draft)
+
+
+def known_drafter_kinds() -> tuple[str, ...] | None:
+    """Drafter kinds `make_drafter` accepts, read from its `KNOWN` list ("draft:PATH" and
+    "mtp[:PATH]" -> "draft", "mtp"); None when the module does not publish one."""
+    from specjax import drafters
+
+    known = getattr(drafters, "KNOWN", None)
+    if not known:
+        return None
+    return tuple(m.group(0) for m in (re.match(r"[A-Za-z0-9_]+", k) for k in known) if m)
+
+
+def check_drafter_names(specs: list[str]) -> None:
+    """Cheap check of drafter names before the target loads; `resolve_configs` does the rest."""
+    kinds = known_drafter_kinds()
+    if not specs:
+        raise DrafterError("--drafters is empty (give none, ngram, draft:PATH, ...)")
+    if kinds is None:
+        return
+    from specjax.drafters import KNOWN
+
+    for s in specs:
+        kind = s.strip().partition(":")[0]
+        if kind not in kinds:
+            raise DrafterError(f"unknown drafter {s!r} (known: {', '.join(KNOWN)})")
+
+
+def resolve_configs(specs: list[str], num_drafts: list[int], model) -> list[Config]:
+    """Plain decoding first, then every drafter x K, each built through `make_drafter` (via the
+    API's drafter cache, so a draft model loads once for all K). Raises DrafterError for unknown
+    names or missing checkpoints, before anything runs. A drafter that fixes its own K (e.g. a
+    trained head count) is listed once, under the K it reports."""
+    if any(k < 1 for k in num_drafts):
+        raise DrafterError(f"--num-draft values must be >= 1, got {num_drafts}")
+    configs = [Config("none", 0, get_drafter("none", 0, model))]
+    seen = {("none", 0)}
+    for spec in specs:
+        spec = spec.strip()
+        if spec == "none":
+            continue
+        for k in num_drafts:
+            d = get_drafter(spec, k, model)
+            c = Config(spec, d.num_draft, d)
+            if c.key not in seen:
+                seen.add(c.key)
+                configs.append(c)
+    return configs
+
+
+def batches_of(ids: list[list[int]], b: int) -> list[list[list[int]]]:
+    """Consecutive batches of exactly b prompts; the prompt list is cycled to fill the last."""
+    n = max(1, -(-len(ids) // b)) * b
+    cycled = [ids[i % len(ids)] for i in range(n)]
+    return [cycled[i : i + b] for i in range(0, n, b)]
+
+
+@dataclasses.dataclass
 class RunFigures:
-    tokens: int
+    tokens: int  # generated, all rows
     seconds: float  # prefill + decode, compile excluded
     steps: int
+    rows: int
     checked: np.ndarray  # [K]
     accepted: np.ndarray  # [K]
 
 
 def run_config(engine: Engine, batches, sampling: SamplingParams, drafter) -> RunFigures:
-    tokens = steps = 0
+    tokens = steps = rows = 0
     seconds = 0.0
     k = drafter.num_draft
     checked, accepted = np.zeros(k), np.zeros(k)
     for batch in batches:
-        rows = engine.generate(batch, [sampling] * len(batch), engine.model.config.eos_token_ids, drafter)
-        seconds += rows[0].prefill_seconds + rows[0].decode_seconds
-        for r in rows:
+        out = engine.generate(batch, [sampling] * len(batch), engine.model.config.eos_token_ids, drafter)
+        seconds += out[0].prefill_seconds + out[0].decode_seconds
+        for r in out:
             tokens += len(r.token_ids)
             steps += r.steps
+            rows += 1
             checked += r.checked
             accepted += r.accepted
-    return RunFigures(tokens, seconds, steps, checked, accepted)
+    return RunFigures(tokens, seconds, steps, rows, checked, accepted)
 
 
-def component_times(engine: Engine, drafter, prompt_ids: list[int], sampling: SamplingParams,
+# Component functions are jitted once per model / drafter and reused across configurations,
+# batch sizes and suites: jax then compiles each shape once (a fresh closure per call would
+# recompile every time, which dominated small bench runs).
+@functools.cache
+def _setup_fn(graphdef, drafter, cache_size: int, greedy: bool):
+    """Target prefill, first token, history and drafter init as one compiled function (eager,
+    a draft model's prefill would compile op by op: slower than compiling it whole)."""
+    collect, want_final = tuple(drafter.hidden_layers), bool(drafter.needs_final_hidden)
+
+    def setup(params, dparams, prompt, plen, samp):
+        cache, logits, hid, fin = _prefill(graphdef, params, prompt, plen, cache_size=cache_size, collect=collect,
+                                           want_final=want_final)
+        b, t = prompt.shape
+        first = jnp.argmax(logits, -1).astype(jnp.int32)  # [B]
+        history = jnp.zeros((b, cache_size), jnp.int32).at[:, :t].set(prompt)  # [B, S]
+        history = history.at[jnp.arange(b), plen].set(first)
+        hlen = plen + 1
+        dstate = drafter.init(dparams, InitContext(prompt, plen, history, hlen, samp, hid, fin, cache_size, greedy))
+        return cache, first, history, hlen, dstate
+
+    return jax.jit(setup)
+
+
+@functools.cache
+def _verify_fn(graphdef, collect: tuple):
+    def verify(params, tokens, cache):
+        m = nnx.merge(graphdef, params)
+        h, _, _ = m.hidden(tokens, cache, collect=collect)
+        return m.logits(h)  # [B, K+1, V]
+
+    return jax.jit(verify)
+
+
+@functools.cache
+def _propose_fn(drafter, greedy: bool):
+    return jax.jit(lambda dp, st, h, n, samp, key: drafter.propose(dp, st, StepContext(h, n, samp, key, greedy)))
+
+
+@functools.cache
+def _accept_fn(greedy: bool, implementation: str):
+    return jax.jit(lambda lg, d, q, samp, key: accept(lg, d, q, samp, key, greedy, implementation))
+
+
+def component_times(engine: Engine, drafter, prompt_ids: list[int], sampling: SamplingParams, batch: int = 1,
                     repeats: int = 5) -> dict[str, float]:
-    """Median seconds of one draft, one verify forward (T = K + 1) and one accept step, batch 1."""
+    """Median seconds of one draft, one verify forward (T = K + 1) and one accept step, for
+    `batch` copies of one prompt."""
     model, k = engine.model, drafter.num_draft
     t, s = engine.shapes([len(prompt_ids)], 64, k)
-    prompt = jnp.asarray([prompt_ids + [0] * (t - len(prompt_ids))], jnp.int32)
-    plen = jnp.asarray([len(prompt_ids)], jnp.int32)
-    cache, logits, hid, fin = jax.jit(
-        lambda p, x, n: _prefill(model.graphdef, p, x, n, cache_size=s, collect=drafter.hidden_layers,
-                                 want_final=drafter.needs_final_hidden)
-    )(model.params, prompt, plen)
-    samp = SamplingArrays.from_params([sampling])
+    prompt = jnp.asarray([prompt_ids + [0] * (t - len(prompt_ids))] * batch, jnp.int32)  # [B, T]
+    plen = jnp.full((batch,), len(prompt_ids), jnp.int32)  # [B]
+    samp = SamplingArrays.from_params([sampling] * batch)
     greedy = sampling.greedy
-    first = jnp.argmax(logits, -1).astype(jnp.int32)
-    history = jnp.zeros((1, s), jnp.int32).at[:, : t].set(prompt).at[0, plen[0]].set(first[0])
-    hlen = plen + 1
     dparams = drafter.params()
-    dstate = drafter.init(dparams, InitContext(prompt, plen, history, hlen, samp, hid, fin, s, greedy))
+    cache, first, history, hlen, dstate = _setup_fn(model.graphdef, drafter, s, greedy)(
+        model.params, dparams, prompt, plen, samp)
     key = jax.random.key(0)
     out = {}
     if k > 0:
-        propose = jax.jit(lambda dp, st, h, n: drafter.propose(dp, st, StepContext(h, n, samp, key, greedy)))
-        draft, q, _ = propose(dparams, dstate, history, hlen)
-        out["draft"] = timed(lambda: jax.block_until_ready(propose(dparams, dstate, history, hlen)), repeats)
+        propose = _propose_fn(drafter, greedy)
+        proposal, _ = propose(dparams, dstate, history, hlen, samp, key)
+        draft, q = proposal.draft, proposal.q  # [B, K], [B, K, V] | None
+        out["draft"] = timed(lambda: jax.block_until_ready(propose(dparams, dstate, history, hlen, samp, key)),
+                             repeats)
     else:
-        draft, q = jnp.zeros((1, 0), jnp.int32), None
+        draft, q = jnp.zeros((batch, 0), jnp.int32), None
         out["draft"] = 0.0
-    tokens_in = jnp.concatenate([first[:, None], draft], axis=1)
-
-    def verify(p, x, c):
-        m = nnx.merge(model.graphdef, p)
-        h, c, _ = m.hidden(x, c, collect=drafter.hidden_layers)
-        return m.logits(h)
-
-    vf = jax.jit(verify)
+    tokens_in = jnp.concatenate([first[:, None], draft], axis=1)  # [B, K+1]
+    vf = _verify_fn(model.graphdef, tuple(drafter.hidden_layers))
     vlogits = vf(model.params, tokens_in, cache)
     out["verify"] = timed(lambda: jax.block_until_ready(vf(model.params, tokens_in, cache)), repeats)
-    af = jax.jit(lambda lg, d, qq: accept(lg, d, qq, samp, key, greedy, engine.implementation))
-    jax.block_until_ready(af(vlogits, draft, q))
-    out["accept"] = timed(lambda: jax.block_until_ready(af(vlogits, draft, q)), repeats)
+    af = _accept_fn(greedy, engine.implementation)
+    jax.block_until_ready(af(vlogits, draft, q, samp, key))
+    out["accept"] = timed(lambda: jax.block_until_ready(af(vlogits, draft, q, samp, key)), repeats)
     return out
 
 
-def run_speculative_bench(model, suites: dict[str, list], drafters: list[str], num_drafts: list[int],
+def _compiled(engine: Engine) -> dict:
+    return dict(getattr(engine, "_compiled", {}) or {})
+
+
+def _row(suite, temp, b, c: Config, runs: list[RunFigures], warm: float, compile_s: float, peak: tuple,
+         compiled_mb, comp: dict) -> dict:
+    """One result row from a configuration's repeats (speedup is added by `report.add_speedups`)."""
+    tokens, steps = sum(r.tokens for r in runs), sum(r.steps for r in runs)
+    rows = sum(r.rows for r in runs)
+    checked = sum(r.checked for r in runs)
+    acc = sum(r.accepted for r in runs)
+    total = sum(comp.values())
+    return {
+        "suite": suite, "temperature": temp, "batch_size": b,
+        "drafter": c.spec, "label": "plain" if c.spec == "none" else rep.short_label(c.spec), "num_draft": c.num_draft,
+        "prompts": runs[0].rows,
+        "tokens": statistics.median(r.tokens for r in runs),
+        "tokens_per_second": statistics.median(r.tokens / r.seconds for r in runs),
+        "tokens_per_second_repeats": [r.tokens / r.seconds for r in runs],
+        # the prefill emits each row's first token; MAL counts the tokens of draft-verify steps
+        "mean_accepted_length": (tokens - rows) / steps if steps else 1.0,
+        "acceptance_rate": float(acc.sum() / checked.sum()) if c.num_draft and checked.sum() else None,
+        "per_position_acceptance": [float(a / x) if x else 0.0 for a, x in zip(acc, checked)] if c.num_draft else [],
+        "warmup_seconds": warm,
+        "compile_seconds": compile_s,
+        "peak_memory_mb": peak[0],
+        "peak_memory_source": peak[1],
+        "compiled_memory_mb": compiled_mb,
+        "component_seconds": comp,
+        "time_share": {n: v / total for n, v in comp.items()} if total else {},
+        "sampler_vs_verify": comp["accept"] / comp["verify"] if comp.get("verify") else None,
+    }
+
+
+def run_speculative_bench(model, suite_ids: dict[str, list[list[int]]], configs: list[Config],
                           batch_sizes: list[int], temperatures: list[float], max_new_tokens: int,
-                          repeats: int, console=None) -> dict:
-    """suites: name -> list of prompts (strings or message lists). Returns every figure."""
+                          repeats: int, console=None) -> list[dict]:
+    """suite_ids: name -> token ids of its prompts. Returns result rows, speedups included."""
     from rich.console import Console
 
     console = console or Console(stderr=True)
     engine = Engine(model)
-    configs = [("none", 0)] + [(d, k) for d in drafters if d != "none" for k in num_drafts]
-    drafter_objs = {c: make_drafter(c[0], c[1], model) for c in configs}
-    results = []
-    for suite, prompts in suites.items():
-        ids = [encode_prompt(model, p) for p in prompts]
+    mem = PeakMemory()
+    rows = []
+    for suite, ids in suite_ids.items():
         for temp in temperatures:
             sampling = SamplingParams(temperature=temp, max_new_tokens=max_new_tokens, seed=0)
             for b in batch_sizes:
-                batches = [ids[i : i + b] for i in range(0, len(ids) - b + 1, b)] or [ids[:b]]
-                t0 = time.perf_counter()
+                batches = batches_of(ids, b)
+                warm, comp_s, comp_mb = {}, {}, {}
                 for c in configs:  # warm-up: compile every shape used below
-                    run_config(engine, batches[:1], sampling, drafter_objs[c])
-                warm = time.perf_counter() - t0
-                runs = {c: [] for c in configs}
+                    before, c0, t0 = _compiled(engine), engine.compile_seconds, time.perf_counter()
+                    run_config(engine, batches[:1], sampling, c.drafter)
+                    warm[c.key], comp_s[c.key] = time.perf_counter() - t0, engine.compile_seconds - c0
+                    new = [v for k, v in _compiled(engine).items() if k not in before]
+                    comp_mb[c.key] = compiled_memory_mb(new) if new else None
+                runs = {c.key: [] for c in configs}
+                peaks = {c.key: (0.0, "") for c in configs}
                 for _ in range(repeats):  # interleaved: plain then every config, per repeat
                     for c in configs:
-                        runs[c].append(run_config(engine, batches, sampling, drafter_objs[c]))
-                plain_tps = statistics.median(r.tokens / r.seconds for r in runs[("none", 0)])
+                        mem.reset()
+                        runs[c.key].append(run_config(engine, batches, sampling, c.drafter))
+                        mb, src = mem.read()
+                        peaks[c.key] = (max(peaks[c.key][0], mb), src)
+                group = []
                 for c in configs:
-                    rs = runs[c]
-                    tps = statistics.median(r.tokens / r.seconds for r in rs)
-                    r0 = rs[0]
-                    checked, acc = r0.checked, r0.accepted
-                    comp = component_times(engine, drafter_objs[c], ids[0], sampling)
-                    total = sum(comp.values())
-                    row = {
-                        "suite": suite, "temperature": temp, "batch_size": b,
-                        "drafter": c[0], "num_draft": c[1],
-                        "prompts": sum(len(x) for x in batches),
-                        "tokens_per_second": tps,
-                        "speedup": tps / plain_tps,
-                        "mean_accepted_length": (r0.tokens - sum(len(x) for x in batches)) / r0.steps if r0.steps else 1.0,
-                        "acceptance_rate": float(acc.sum() / checked.sum()) if checked.sum() else None,
-                        "per_position_acceptance": [float(a / x) if x else 0.0 for a, x in zip(acc, checked)],
-                        "time_share": {n: v / total for n, v in comp.items()},
-                        "component_seconds": comp,
-                        "sampler_vs_verify": comp["accept"] / comp["verify"],
-                        "warmup_seconds": warm,
-                        "peak_memory_mb": peak_memory_mb(),
-                        "tokens_per_second_repeats": [r.tokens / r.seconds for r in rs],
-                    }
-                    results.append(row)
-                    console.log(
-                        f"{suite} T={temp} B={b} {c[0]} K={c[1]}: {tps:.1f} tok/s, x{row['speedup']:.2f}, "
-                        f"MAL {row['mean_accepted_length']:.2f}"
-                    )
-    return {"model": model.name, "dtype": str(model.dtype), "backend": jax.default_backend(),
-            "max_new_tokens": max_new_tokens, "repeats": repeats, "compile_seconds": engine.compile_seconds,
-            "results": results, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                    comp = component_times(engine, c.drafter, ids[0], sampling, batch=b)
+                    group.append(_row(suite, temp, b, c, runs[c.key], warm[c.key], comp_s[c.key], peaks[c.key],
+                                      comp_mb[c.key], comp))
+                rep.add_speedups(group)
+                for r in group:
+                    console.log(f"{suite} T={temp:g} B={b} {rep.config_name(r)}: {r['tokens_per_second']:.1f} tok/s, "
+                                f"x{r['speedup']:.2f}, MAL {r['mean_accepted_length']:.2f}")
+                rows += group
+    return rows
 
 
-def print_table(report: dict, console=None) -> None:
+def encode_suites(model, suites: dict[str, list]) -> dict[str, list[list[int]]]:
+    """Token ids of every prompt (the chat template applied), shared by specjax and the peers."""
+    return {name: [encode_prompt(model, p) for p in prompts] for name, prompts in suites.items()}
+
+
+def bench_suites(model, suites: dict[str, list], drafters: list[str], num_drafts: list[int], batch_sizes: list[int],
+                 temperatures: list[float], max_new_tokens: int, repeats: int, peers: list[str] = (),
+                 json_out: str | None = None, plots_dir: str | None = None, console=None, out=None) -> dict:
+    """The whole `specjax bench SUITE...` run: measure, compare, recommend, print, write."""
     from rich.console import Console
-    from rich.table import Table
 
-    console = console or Console()
-    table = Table(title=f"speculative decoding — {report['model']} ({report['dtype']}, {report['backend']})")
-    for col in ("suite", "T", "B", "drafter", "K", "tok/s", "speedup", "MAL", "accept", "draft/verify/accept"):
-        table.add_column(col, justify="right")
-    for r in report["results"]:
-        ts = r["time_share"]
-        table.add_row(
-            r["suite"], f"{r['temperature']:g}", str(r["batch_size"]), r["drafter"], str(r["num_draft"]),
-            f"{r['tokens_per_second']:.1f}", f"{r['speedup']:.2f}x", f"{r['mean_accepted_length']:.2f}",
-            "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}",
-            f"{100 * ts['draft']:.0f}/{100 * ts['verify']:.0f}/{100 * ts['accept']:.0f}%",
-        )
-    console.print(table)
+    from specjax.bench import peers as peers_mod
 
+    console = console or Console(stderr=True)
+    configs = resolve_configs(drafters, num_drafts, model)  # raises before anything runs
+    suite_ids = encode_suites(model, suites)
+    peer_objs, skipped = peers_mod.prepare_peers(list(peers), model, list(drafters), num_drafts, console)
+    t_start = time.time()
+    rows = run_speculative_bench(model, suite_ids, configs, batch_sizes, temperatures, max_new_tokens, repeats,
+                                 console)
+    peer_rows = peers_mod.run_peers(peer_objs, suite_ids, temperatures, max_new_tokens, repeats, console)
+    report = {
+        "kind": "speculative",
+        "model": model.name, "model_source": model.source, "dtype": str(model.dtype),
+        "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+        "max_new_tokens": max_new_tokens, "repeats": repeats, "temperatures": temperatures,
+        "batch_sizes": batch_sizes, "num_drafts": num_drafts, "drafters": list(drafters),
+        "suites": {name: len(ids) for name, ids in suite_ids.items()},
+        "compile_seconds": sum(r["compile_seconds"] for r in rows),
+        "results": rows,
+        "peers": peer_rows,
+        "peers_skipped": skipped,
+        "peer_comparison": rep.compare_peers(rows, peer_rows),
+        "recommendations": rep.recommend(rows),
+        "plots": [],
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)),
+    }
+    if json_out or plots_dir:
+        import os
 
-def dump(report: dict, path: str) -> None:
-    with open(path, "w") as fh:
-        json.dump(report, fh, indent=2)
+        from specjax.bench.plots import write_plots
+
+        pdir = plots_dir or os.path.dirname(os.path.abspath(json_out))
+        stem = os.path.splitext(os.path.basename(json_out))[0] if json_out else "bench"
+        report["plots"] = write_plots(report, pdir, stem)
+    rep.print_report(report, out)
+    if json_out:
+        rep.dump(report, json_out)
+    return report

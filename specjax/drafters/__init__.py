@@ -1,7 +1,8 @@
 """Drafters: one proposer per method behind the protocol in `base.py`.
 
 `make_drafter(spec, num_draft, target)` turns a CLI/API drafter spec into a drafter:
-`none` | `ngram` | `draft:PATH`.
+`none` | `ngram` | `draft:PATH` | `eagle3[:PATH]`. A bare learned-drafter name means the one
+shipped for the default model (`shipped/<name>-smollm2-135m/`, see `shipped_path`).
 """
 
 from __future__ import annotations
@@ -9,8 +10,25 @@ from __future__ import annotations
 from specjax.drafters.base import Drafter, NoDrafter
 from specjax.errors import DrafterError
 
-DEFAULT_NUM_DRAFT = {"ngram": 5, "draft": 5}
-KNOWN = ("none", "ngram", "draft:PATH")
+import os
+
+DEFAULT_NUM_DRAFT = {"ngram": 5, "draft": 5, "eagle3": 5}
+KNOWN = ("none", "ngram", "draft:PATH", "eagle3[:PATH]")
+SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "shipped")
+SHIPPED_FOR = "smollm2-135m"
+
+
+def shipped_path(kind: str) -> str:
+    """Directory of the drafter of this kind trained for the default model (may not exist)."""
+    return os.path.join(SHIPPED_DIR, f"{kind}-{SHIPPED_FOR}")
+
+
+def _shipped_or_error(kind: str) -> str:
+    path = shipped_path(kind)
+    if not os.path.isdir(path):
+        raise DrafterError(f"no {kind} drafter is shipped in this installation ({path}); "
+                           f"train one with `specjax train {kind}` and pass --drafter {kind}:PATH")
+    return path
 
 
 def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = None, load=None) -> Drafter:
@@ -36,4 +54,10 @@ def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = N
 
         draft = (load or load_model)(arg, dtype or str(target.dtype))
         return DraftModelDrafter(k, draft, target.config)
+    if kind == "eagle3":
+        from specjax.drafters import eagle3
+
+        path = arg or _shipped_or_error("eagle3")
+        weights = eagle3.load(path, dtype=target.dtype)
+        return eagle3.Eagle3Drafter(k, weights, target)
     raise DrafterError(f"unknown drafter {spec!r} (known: {', '.join(KNOWN)})")

@@ -5,10 +5,13 @@ that travel through the compiled loop: its parameters (`dparams`, may be None) a
 three methods are pure functions of pytrees, traced into the engine's single `lax.while_loop`:
 
 * `init(dparams, ctx: InitContext) -> state` once after the target's prefill;
-* `propose(dparams, state, ctx: StepContext) -> (draft [B, K] int32, q [B, K, V] | None, state)`:
-  `q` are the draft probabilities after the same temperature/top-k/top-p processing as the
-  target's; None means the drafts are deterministic (q one-hot), which is exact for rejection
-  sampling;
+* `propose(dparams, state, ctx: StepContext) -> (Proposal, state)`: draft tokens `[B, K]`, their
+  probabilities `q [B, K, V]` after the same temperature/top-k/top-p processing as the target's
+  (None means the drafts are deterministic, q one-hot, which is exact for rejection sampling),
+  and optionally `active [B]`: whether the drafter believes in this row's drafts at all. When no
+  live row is active, the engine skips verification and runs a plain one-token step, which costs
+  far less than checking K + 1 tokens (e.g. the n-gram drafter without a real match). Any draft
+  is lossless; `active` only decides what is worth the verify cost;
 * `commit(dparams, state, ctx: CommitContext) -> state` after acceptance, e.g. to roll a draft
   KV cache back to the accepted prefix or to keep the target hidden states of accepted positions.
 
@@ -25,6 +28,13 @@ import jax
 from flax import struct
 
 from specjax.sampling import SamplingArrays
+
+
+@struct.dataclass
+class Proposal:
+    draft: jax.Array  # [B, K] int32
+    q: Any = None  # [B, K, V] draft probabilities, or None for deterministic drafts
+    active: Any = None  # [B] bool, or None: every row's drafts are worth verifying
 
 
 @struct.dataclass

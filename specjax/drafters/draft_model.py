@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.drafters.base import CommitContext, Drafter, InitContext, StepContext
+from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext
 from specjax.errors import DrafterError
 from specjax.models.loading import Model
 from specjax.sampling import sample, target_probs
@@ -66,7 +66,7 @@ class DraftModelDrafter(Drafter):
                 qs.append(target_probs(logits, ctx.sampling))  # [B, V]
         draft = jnp.stack(drafts, axis=1)  # [B, K]
         q = None if ctx.all_greedy else jnp.stack(qs, axis=1)  # [B, K, V]
-        return draft, q, cache
+        return Proposal(draft, q), cache
 
     def commit(self, dparams, cache, ctx: CommitContext):
         return cache.with_lengths(ctx.hist_len - 2)

@@ -4,7 +4,14 @@ For each row, find the most recent earlier occurrence of the last n tokens of th
 + generated), trying n = max_n down to min_n, and propose the K tokens that followed it. When the
 continuation runs into the present, it is extended periodically (the text that matched is
 assumed to keep repeating with the same period), which is what repetitive output does. Rows
-without any match propose a repeat of their last token; those drafts are simply rejected.
+without any match propose a repeat of their last token.
+
+A row is `active` (its drafts worth a verify pass) only when its match is at least `active_n`
+tokens long: single-token matches are found almost everywhere and are usually wrong. Measured
+offline on the default model's greedy HumanEval replies (20 prompts, K = 5): drafting on every
+match gives MAL 1.65 with 63% of steps verified, drafting on matches of >= 2 tokens MAL 1.55 with
+27% verified, so at a verify cost of ~1.5 plain steps the latter is faster (1.31x vs 1.16x
+estimated). Inactive rows in a batch that verifies anyway still check their best guess.
 
 Vocabulary-free and parameter-free: q is one-hot, so rejection sampling is exact for any
 temperature.
@@ -14,20 +21,20 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from specjax.drafters.base import Drafter, StepContext
+from specjax.drafters.base import Drafter, Proposal, StepContext
 
 
 class NgramDrafter(Drafter):
     name = "ngram"
 
-    def __init__(self, num_draft: int, max_n: int = 4, min_n: int = 1):
+    def __init__(self, num_draft: int, max_n: int = 4, min_n: int = 1, active_n: int = 2):
         super().__init__(num_draft)
         if not 1 <= min_n <= max_n:
             raise ValueError(f"ngram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
-        self.max_n, self.min_n = max_n, min_n
+        self.max_n, self.min_n, self.active_n = max_n, min_n, active_n
 
     def cache_key(self):
-        return super().cache_key() + (self.max_n, self.min_n)
+        return super().cache_key() + (self.max_n, self.min_n, self.active_n)
 
     def propose(self, dparams, state, ctx: StepContext):
         hist, length = ctx.history, ctx.hist_len  # [B, S], [B]
@@ -35,6 +42,7 @@ class NgramDrafter(Drafter):
         k = self.num_draft
         j = jnp.arange(s)  # candidate match starts
         best_end = jnp.full((b,), -1, jnp.int32)  # index just after the chosen match
+        best_n = jnp.zeros((b,), jnp.int32)  # its length
         for n in range(self.max_n, self.min_n - 1, -1):  # longest n first
             suffix = jnp.take_along_axis(hist, jnp.clip(length[:, None] - n + jnp.arange(n), 0, s - 1), axis=1)
             ok = jnp.ones((b, s), bool)
@@ -43,6 +51,7 @@ class NgramDrafter(Drafter):
             # the match must end before the suffix's own last token, so it has a continuation
             ok &= (j[None] + n <= length[:, None] - 1) & (length[:, None] > n)
             end = jnp.max(jnp.where(ok, j[None] + n, -1), axis=1)  # most recent match
+            best_n = jnp.where((best_end < 0) & (end >= 0), n, best_n)
             best_end = jnp.where(best_end < 0, end, best_end)
         found = best_end >= 0
         period = jnp.maximum(length - best_end, 1)  # [B]
@@ -50,4 +59,4 @@ class NgramDrafter(Drafter):
         draft = jnp.take_along_axis(hist, jnp.clip(idx, 0, s - 1), axis=1)
         last = jnp.take_along_axis(hist, (length - 1)[:, None], axis=1)
         draft = jnp.where(found[:, None], draft, last)
-        return draft.astype(jnp.int32), None, state
+        return Proposal(draft.astype(jnp.int32), active=best_n >= self.active_n), state

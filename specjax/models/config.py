@@ -190,3 +190,24 @@ def smollm2_135m() -> LlamaConfig:
         bos_token_id=1,
         eos_token_ids=(2,),
     )
+
+
+def llama3_8b() -> LlamaConfig:
+    """The shape of Llama-3-8B (8.0e9 parameters, untied head, GQA 32/8). The accelerator bench
+    times it with random weights: speed depends on shapes, not on values, and no 16 GB checkpoint
+    has to travel with the repository."""
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=8192,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128009),
+    )

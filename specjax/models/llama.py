@@ -10,9 +10,8 @@ fresh buffer before its matmuls: three times the memory traffic, measured 2x slo
 CPU. Unrolling costs compile time (roughly linear in depth), not run time.
 
 Weights keep the HF `[out, in]` layout and matmuls are `W @ x` ("OI,MI->OM"), the form XLA CPU
-runs fastest for the few verify tokens of speculative decoding (DESIGN.md §5; e.g. the LM head at
-M = 4 rows: 11 ms, vs 16 ms for `x @ W_t` with the weight stored transposed); with up to 4 rows
-on CPU, layer matmuls run as one matrix-vector product per row (see `linear`). QKV and gate/up
+runs fastest at M = 1 (a matrix-vector product); the few verify tokens of speculative decoding
+take a fused multiply-reduce on CPU instead (see `linear`). QKV and gate/up
 projections are fused into one matmul each. The KV cache layout (per layer, keys `[B*KV, S, H]`
 and values `[B*KV, H, S]`) is chosen for the same dot kernels; see kv_cache.py.
 
@@ -35,12 +34,12 @@ from specjax.models.kv_cache import KVCache, write_layer
 
 # Few-row matmuls on CPU (DESIGN.md §5). XLA runs `[O, I] x [I, 1]` as a matrix-vector product
 # near memory bandwidth, but hands M > 1 rows to a GEMM kernel that streams the weight at a
-# fraction of it. For a few rows and a weight that fits the last-level cache, M matrix-vector
-# products are faster: the first reads the weight from DRAM, the others from cache. Measured on
-# the 120 layer matmuls of SmolLM2-135M: M = 2: 24 vs 34 ms, M = 4: 30 vs 39 ms; the GEMM wins
-# from M = 6, and always for the 113 MB LM head.
-GEMV_MAX_ROWS = 4
-GEMV_MAX_BYTES = 16 << 20
+# fraction of it (the LM head: 4 ms at M = 1, 10 ms at M = 4). Written as a broadcast multiply
+# and a reduction over I with output `[M, O]`, XLA emits one fused loop nest that reads each
+# weight row once from DRAM and reuses it from L1 for all M rows. Measured on SmolLM2-135M, one
+# cached forward of T tokens relative to T = 1 (29 ms): T = 4: 1.45x (GEMM: 2.2x), T = 8: 1.8x
+# (GEMM: 2.7x), T = 16: 2.4x (GEMM: 3.4x). Past 16 rows the GEMM's compute efficiency wins.
+FEW_ROWS_MAX = 16
 
 
 def linear(w: jax.Array, x: jax.Array) -> jax.Array:
@@ -48,12 +47,10 @@ def linear(w: jax.Array, x: jax.Array) -> jax.Array:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(w.dtype)  # [M, I]
     rows = x2.shape[0]
-    if (
-        1 < rows <= GEMV_MAX_ROWS
-        and w.size * w.dtype.itemsize <= GEMV_MAX_BYTES
-        and jax.default_backend() == "cpu"
-    ):
-        y = jnp.stack([w @ r for r in x2])  # M matrix-vector products -> [M, O]
+    if 1 < rows <= FEW_ROWS_MAX and jax.default_backend() == "cpu":
+        m = 1 << (rows - 1).bit_length()  # pad M to a power of two: 6 rows cost more than 8
+        xp = jnp.pad(x2, ((0, m - rows), (0, 0)))  # [M', I]
+        y = jnp.sum(w[None, :, :] * xp[:, None, :], axis=-1)[:rows]  # [M', O, I] -> [M, O], fused
     else:
         y = jnp.einsum("OI,MI->OM", w, x2, preferred_element_type=w.dtype).T  # [M, O]
     return y.reshape(*lead, w.shape[0])
@@ -109,26 +106,34 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     """Grouped-query attention over a per-row KV cache."""
 
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, in_dim: int | None = None):
+        """`in_dim` (default D) is the width of the input; EAGLE-3's layer reads 2D."""
         self.cfg = cfg
         d, h = cfg.hidden_size, cfg.head_dim
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * h
         init = nnx.initializers.normal(0.02)
-        self.qkv = nnx.Param(init(rngs.params(), (qkv_out, d), dtype))  # [(N+2KV)H, D]
+        self.qkv = nnx.Param(init(rngs.params(), (qkv_out, in_dim or d), dtype))  # [(N+2KV)H, Din]
         self.o = nnx.Param(init(rngs.params(), (d, cfg.num_heads * h), dtype))  # [D, NH]
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, starts):
-        """x `[B, T, D]`; k_cache `[B*KV, S, H]`; v_cache `[B*KV, H, S]` (kv_cache.py); starts `[B]`
-        (= cache lengths). Returns the output `[B, T, D]` and both caches with the T new positions
-        written."""
+    def project(self, x, cos, sin):
+        """x `[B, T, Din]` -> rotated q `[B, T, N, H]`, k and v `[B, T, KV, H]`."""
         cfg = self.cfg
         b, t, _ = x.shape
-        n, kv, h, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_groups
+        n, kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = linear(self.qkv[...], x)  # [B, T, (N+2KV)H]
         q = qkv[..., : n * h].reshape(b, t, n, h)
         k = qkv[..., n * h : (n + kv) * h].reshape(b, t, kv, h)
         v = qkv[..., (n + kv) * h :].reshape(b, t, kv, h)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, starts):
+        """x `[B, T, Din]`; k_cache `[B*KV, S, H]`; v_cache `[B*KV, H, S]` (kv_cache.py); starts
+        `[B]` (= cache lengths). Returns the output `[B, T, D]` and both caches with the T new
+        positions written."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        n, kv, h, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_groups
+        q, k, v = self.project(x, cos, sin)
         k_cache, v_cache = write_layer(k_cache, v_cache, k, v, starts)
 
         # Queries grouped by KV head: row (b, j) of the cache serves M = T*G query vectors.

@@ -1,0 +1,212 @@
+"""The report of `specjax bench SUITE...`: arithmetic on measured rows, tables, JSON.
+
+Everything here is a pure function of the rows the measuring modules (`speculative.py`,
+`peers.py`) produce, so the arithmetic is testable on a fixed, fake timing table.
+
+JSON written by `--json-out` (one object):
+
+* `kind`: "speculative"; `model`, `model_source` (path it was loaded from), `dtype`, `backend`
+  (jax backend), `device` (jax device kind); `max_new_tokens`, `repeats`, `temperatures`,
+  `batch_sizes`, `num_drafts`, `drafters` (specs as given); `suites` {name: prompts used};
+  `compile_seconds` (total XLA compile time of the run); `time` (local ISO time of the run).
+* `results`: one row per (suite, temperature, batch size, configuration); plain decoding is the
+  configuration with `drafter` "none" and `num_draft` 0. Fields:
+  `suite`, `temperature`, `batch_size`, `drafter` (spec as given, e.g. "draft:/path"), `label`
+  (short name for tables and plots), `num_draft` (K); `prompts` (rows generated per repeat: the
+  suite's prompts, cycled to fill the last batch); `tokens` (generated tokens per repeat, median);
+  `tokens_per_second` (median over repeats of tokens / (prefill + decode seconds), compile
+  excluded); `tokens_per_second_repeats` (each repeat's figure); `speedup` (`tokens_per_second`
+  ÷ plain's at the same suite, batch size and sampling settings); `mean_accepted_length` (MAL:
+  tokens emitted per draft-verify step, bonus included, over all repeats; 1.0 for plain);
+  `acceptance_rate` (accepted ÷ checked draft positions; null for plain);
+  `per_position_acceptance` (K entries: P(draft i accepted | drafts < i accepted));
+  `warmup_seconds` (the first, untimed pass over one batch, compile included);
+  `compile_seconds` (the XLA compile time inside that warm-up); `peak_memory_mb` and
+  `peak_memory_source` (see `common.PeakMemory`: "rss_peak" is this configuration's own peak
+  resident memory, "device_peak_lifetime" the device's high-water mark so far);
+  `compiled_memory_mb` (XLA's planned footprint of the configuration's compiled code: arguments,
+  outputs and temporaries; null when it compiled nothing new); `component_seconds` {`draft`,
+  `verify`, `accept`} (one call of each at this batch size, timed as separate compiled
+  functions); `time_share` (the same, as fractions of their sum); `sampler_vs_verify` (accept ÷
+  verify seconds).
+* `peers`: rows of other implementations on the same prompt token ids (see `peers.py`):
+  `peer` ("hf" | "llamacpp"), `method` ("plain" | "prompt_lookup" | "assisted"), `label`,
+  `num_draft`, `suite`, `temperature`, `batch_size` (always 1: HF's assisted generation and
+  prompt lookup take one sequence), `prompts`, `tokens`, `tokens_per_second`,
+  `tokens_per_second_repeats`, `warmup_seconds`, `threads`, and `speedup` (÷ the same peer's
+  plain decoding at the same settings).
+* `peers_skipped`: {peer: one-line reason} for optional peers that could not run.
+* `peer_comparison`: per (suite, temperature, batch size, peer): `specjax_best` and `peer_best`
+  ({`label`, `num_draft`, `tokens_per_second`}, plain included) and `ratio` = specjax best tok/s ÷
+  peer best tok/s.
+* `recommendations`: per (suite, temperature): `by_batch` [{`batch_size`, `drafter`, `label`,
+  `num_draft`, `speedup`}] (the fastest configuration; drafter "none" when plain decoding is
+  fastest), `plain_wins_at` (batch sizes at which no drafter beats plain), `plain_wins_from`
+  (smallest batch size from which plain wins at every larger measured one; null when a drafter
+  wins at the largest) and `text` (the line printed).
+* `plots`: paths of the PNG files written (see `plots.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+PLAIN = "none"
+
+
+def short_label(spec: str) -> str:
+    """`draft:/long/path/small-model` -> `draft:small-model`; other specs unchanged."""
+    kind, sep, arg = spec.partition(":")
+    if not sep:
+        return spec
+    return f"{kind}:{os.path.basename(os.path.normpath(arg)) or arg}"
+
+
+def config_name(row: dict) -> str:
+    return "plain" if row["drafter"] == PLAIN else f"{row['label']} K={row['num_draft']}"
+
+
+def _group_key(row: dict) -> tuple:
+    return (row.get("peer"), row["suite"], row["temperature"], row["batch_size"])
+
+
+def add_speedups(rows: list[dict]) -> list[dict]:
+    """Set `speedup` = tokens/s ÷ plain tokens/s of the same implementation, suite, temperature
+    and batch size (rows of one run share max_new_tokens and seed). Rows without a plain
+    partner get None. Returns `rows` (changed in place)."""
+    plain = {_group_key(r): r["tokens_per_second"] for r in rows if r["drafter"] == PLAIN}
+    for r in rows:
+        base = plain.get(_group_key(r))
+        r["speedup"] = r["tokens_per_second"] / base if base else None
+    return rows
+
+
+def recommend(rows: list[dict]) -> list[dict]:
+    """Per (suite, temperature): the fastest configuration at each batch size; the batch sizes at
+    which plain decoding is not beaten (every drafter's speedup <= 1); and the smallest batch
+    size from which plain decoding wins at every larger measured batch size."""
+    groups: dict[tuple, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        groups[(r["suite"], r["temperature"])][r["batch_size"]].append(r)
+    out = []
+    for (suite, temp), by_b in groups.items():
+        entries = []
+        for b in sorted(by_b):
+            spec = [r for r in by_b[b] if r["drafter"] != PLAIN and r.get("speedup") is not None]
+            best = max(spec, key=lambda r: r["speedup"], default=None)
+            if best is None or best["speedup"] <= 1.0:
+                entries.append({"batch_size": b, "drafter": PLAIN, "label": "plain", "num_draft": 0,
+                                "speedup": 1.0})
+            else:
+                entries.append({"batch_size": b, "drafter": best["drafter"], "label": best["label"],
+                                "num_draft": best["num_draft"], "speedup": best["speedup"]})
+        plain_at = [e["batch_size"] for e in entries if e["drafter"] == PLAIN]
+        plain_from = None
+        for e in reversed(entries):  # the longest run of plain wins that reaches the largest B
+            if e["drafter"] != PLAIN:
+                break
+            plain_from = e["batch_size"]
+        parts = [
+            f"B={e['batch_size']}: " + ("plain" if e["drafter"] == PLAIN else
+                                        f"{e['label']} K={e['num_draft']} ({e['speedup']:.2f}x)")
+            for e in entries
+        ]
+        if not plain_at:
+            tail = "speculation pays at every measured batch size"
+        elif plain_from is not None:
+            earlier = [b for b in plain_at if b < plain_from]
+            tail = f"plain decoding wins from B={plain_from}" + (
+                f" (and at B={', '.join(map(str, earlier))})" if earlier else "")
+        else:
+            tail = f"plain decoding wins at B={', '.join(map(str, plain_at))} only"
+        text = f"{suite} (T={temp:g}): " + ", ".join(parts) + f"; {tail}"
+        out.append({"suite": suite, "temperature": temp, "by_batch": entries, "plain_wins_at": plain_at,
+                    "plain_wins_from": plain_from, "text": text})
+    return out
+
+
+def compare_peers(rows: list[dict], peer_rows: list[dict]) -> list[dict]:
+    """specjax's best tok/s ÷ each peer's best tok/s, per (suite, temperature, batch size)."""
+    def best(rs):
+        r = max(rs, key=lambda r: r["tokens_per_second"])
+        return {"label": config_name(r), "num_draft": r["num_draft"], "tokens_per_second": r["tokens_per_second"]}
+
+    ours: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        ours[(r["suite"], r["temperature"], r["batch_size"])].append(r)
+    theirs: dict[tuple, list[dict]] = defaultdict(list)
+    for r in peer_rows:
+        theirs[(r["suite"], r["temperature"], r["batch_size"], r["peer"])].append(r)
+    out = []
+    for (suite, temp, b, peer), prs in theirs.items():
+        mine = ours.get((suite, temp, b))
+        if not mine:
+            continue
+        s, p = best(mine), best(prs)
+        out.append({"suite": suite, "temperature": temp, "batch_size": b, "peer": peer, "specjax_best": s,
+                    "peer_best": p, "ratio": s["tokens_per_second"] / p["tokens_per_second"]})
+    return out
+
+
+def _fmt(x, spec: str, missing: str = "-") -> str:
+    return missing if x is None else format(x, spec)
+
+
+def _speedup(r: dict) -> str:
+    return "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
+
+
+def wide_console():
+    """stdout console; 160 columns when not a terminal (rich's default of 80 folds the tables)."""
+    import sys
+
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 160)
+
+
+def print_report(report: dict, console=None) -> None:
+    """The tables (specjax, then peers), then the peer ratios and the recommendation lines."""
+    from rich.table import Table
+
+    console = console or wide_console()
+    table = Table(title=f"speculative decoding — {report['model']} ({report['dtype']}, {report['backend']})")
+    for col in ("suite", "T", "B", "config", "tok/s", "speedup", "MAL", "accept", "draft/verify/accept",
+                "warm-up s", "peak MB"):
+        table.add_column(col, justify="right")
+    for r in report["results"]:
+        ts = r.get("time_share") or {}
+        share = "/".join(f"{100 * ts.get(n, 0):.0f}" for n in ("draft", "verify", "accept")) + "%" if ts else "-"
+        table.add_row(
+            r["suite"], f"{r['temperature']:g}", str(r["batch_size"]), config_name(r),
+            f"{r['tokens_per_second']:.1f}", _speedup(r),
+            f"{r['mean_accepted_length']:.2f}", _fmt(r.get("acceptance_rate"), ".2f"), share,
+            _fmt(r.get("warmup_seconds"), ".1f"), _fmt(r.get("peak_memory_mb"), ".0f"),
+        )
+    console.print(table)
+    if report.get("peers"):
+        pt = Table(title="peers on the same prompt token ids (batch 1)")
+        for col in ("peer", "suite", "T", "B", "config", "tok/s", "speedup", "threads"):
+            pt.add_column(col, justify="right")
+        for r in report["peers"]:
+            pt.add_row(r["peer"], r["suite"], f"{r['temperature']:g}", str(r["batch_size"]), config_name(r),
+                       f"{r['tokens_per_second']:.1f}", _speedup(r),
+                       str(r.get("threads", "-")))
+        console.print(pt)
+    for peer, why in (report.get("peers_skipped") or {}).items():
+        console.print(f"{peer}: skipped ({why})")
+    for c in report.get("peer_comparison") or []:
+        console.print(
+            f"{c['suite']} (T={c['temperature']:g}, B={c['batch_size']}): specjax best "
+            f"{c['specjax_best']['tokens_per_second']:.1f} tok/s ({c['specjax_best']['label']}) ÷ {c['peer']} best "
+            f"{c['peer_best']['tokens_per_second']:.1f} tok/s ({c['peer_best']['label']}) = {c['ratio']:.2f}x"
+        )
+    for rec in report.get("recommendations") or []:
+        console.print(f"recommendation — {rec['text']}")
+
+
+def dump(report: dict, path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump(report, fh, indent=2)

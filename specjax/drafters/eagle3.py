@@ -1,0 +1,339 @@
+"""EAGLE-3 drafter (Li et al. 2025): one decoder layer over fused target features, chain drafting.
+
+Per position t the drafter reads the target's hidden states at t from a low, a middle and a high
+layer (`target_layers`), concatenates them `[3D]` and projects them to `[D]` (`fc`); with the
+embedding of the next token x_{t+1} (the target's own embedding table, frozen) it runs one decoder
+layer whose attention input is `[RMSNorm(embed) ; RMSNorm(feature)]` (width 2D) and whose
+residual stream starts from the feature. The layer's output g_t goes through a final norm and a
+draft LM head over a reduced vocabulary (the N most frequent target tokens; `d2t[i]` is the
+target id of draft token i) to predict x_{t+2}.
+
+Drafting K tokens from the accepted prefix x_0..x_m (the target has features for t <= m - 1):
+
+* draft 1 comes from g_{m-1}, computed at commit time from real target features;
+* draft i + 1 runs the layer at position m + i - 1 on `[embed(d_i) ; g_prev]`: the drafter's own
+  output stands in for the target feature it does not have (EAGLE's feature feedback).
+
+The drafter keeps its own one-layer KV cache. After verification, `commit` rewrites positions
+old_m .. old_m + K from the verify pass's target features (only the n + 1 accepted ones count:
+the cache length is set to the new m, so the rest is overwritten later, the same rollback as the
+target's). Training (train/eagle3.py) unrolls exactly these steps ("training-time test"), so the
+drafter learns to read its own features.
+
+Tree drafting would replace the K - 1 chain steps by a batched step over a token tree; the cache
+and commit discipline stay the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext
+from specjax.errors import DrafterError
+from specjax.models.config import LlamaConfig
+from specjax.models.kv_cache import KVCache
+from specjax.models.llama import MLP, Attention, RMSNorm, linear, rope_tables
+from specjax.sampling import sample, target_probs
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+KIND = "eagle3"
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int  # D (the target's)
+    intermediate_size: int  # F of the drafter's layer
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    target_vocab_size: int  # V
+    target_num_layers: int  # L of the target it was trained for
+    draft_vocab_size: int  # N
+    target_layers: tuple[int, ...]  # e.g. (2, L // 2, L - 3), 0-based decoder layer outputs
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[float, float, float, int] | None = None
+    rms_norm_eps: float = 1e-5
+
+    @classmethod
+    def for_target(cls, target: LlamaConfig, draft_vocab_size: int = 8192,
+                   target_layers: tuple[int, ...] | None = None, intermediate_size: int | None = None):
+        n = target.num_layers
+        layers = tuple(target_layers) if target_layers else (min(2, n - 1), n // 2, max(n - 3, 0))
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=intermediate_size or target.intermediate_size,
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            target_vocab_size=target.vocab_size,
+            target_num_layers=n,
+            draft_vocab_size=min(draft_vocab_size, target.vocab_size),
+            target_layers=layers,
+            rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
+            rms_norm_eps=target.rms_norm_eps,
+        )
+
+    def layer_config(self) -> LlamaConfig:
+        """The drafter's single layer, described as a one-layer Llama (attention, MLP, rope)."""
+        return LlamaConfig(
+            vocab_size=self.draft_vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling, rms_norm_eps=self.rms_norm_eps,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"drafter": KIND, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "Eagle3Config":
+        kw = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in d:
+                if f.default is dataclasses.MISSING:
+                    raise DrafterError(f"{source}: missing key {f.name!r} in the EAGLE-3 config")
+                continue
+            kw[f.name] = d[f.name]
+        kw["target_layers"] = tuple(int(x) for x in kw["target_layers"])
+        if kw.get("rope_scaling") is not None:
+            kw["rope_scaling"] = tuple(kw["rope_scaling"])
+        return cls(**kw)
+
+    def check_target(self, target: LlamaConfig, source: str = "EAGLE-3 drafter") -> None:
+        """One clear error when the drafter was trained for another target."""
+        pairs = [("hidden size", self.hidden_size, target.hidden_size),
+                 ("vocab size", self.target_vocab_size, target.vocab_size),
+                 ("layer count", self.target_num_layers, target.num_layers)]
+        for what, mine, theirs in pairs:
+            if mine != theirs:
+                raise DrafterError(f"{source} was trained for a target with {what} {mine}, "
+                                   f"but this target has {theirs}")
+        if max(self.target_layers) >= target.num_layers:
+            raise DrafterError(f"{source} reads target layer {max(self.target_layers)}, "
+                               f"but the target has {target.num_layers} layers")
+
+
+class Eagle3(nnx.Module):
+    """The drafter network. Shapes: D hidden, n = len(target_layers), N draft vocab."""
+
+    def __init__(self, cfg: Eagle3Config, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        lc = cfg.layer_config()
+        d, n = cfg.hidden_size, len(cfg.target_layers)
+        init = nnx.initializers.normal(0.02)
+        self.fc = nnx.Param(init(rngs.params(), (d, n * d), dtype))  # [D, nD]
+        self.embed_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.attn = Attention(lc, rngs=rngs, dtype=dtype, in_dim=2 * d)
+        self.mlp_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(lc, rngs=rngs, dtype=dtype)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.head = nnx.Param(init(rngs.params(), (cfg.draft_vocab_size, d), dtype))  # [N, D]
+
+    def fuse(self, feats: jax.Array) -> jax.Array:
+        """Target hidden states `[n, B, T, D]` -> projected feature `[B, T, D]`."""
+        x = jnp.concatenate(list(feats), axis=-1)  # [B, T, nD]
+        return linear(self.fc[...], x.astype(self.fc[...].dtype))
+
+    def layer_input(self, emb: jax.Array, feat: jax.Array) -> jax.Array:
+        """`[B, T, D]` twice -> the attention input `[B, T, 2D]`."""
+        return jnp.concatenate([self.embed_norm(emb), self.hidden_norm(feat)], axis=-1)
+
+    def finish(self, feat: jax.Array, attn_out: jax.Array) -> jax.Array:
+        """Residual stream from the feature: attention then MLP. Returns g `[B, T, D]`."""
+        h = feat + attn_out
+        return h + self.mlp(self.mlp_norm(h))
+
+    def step(self, emb: jax.Array, feat: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """One pass over T positions at `cache.lengths` (one-layer cache; lengths unchanged)."""
+        positions = cache.lengths[:, None] + jnp.arange(emb.shape[1])[None]  # [B, T]
+        cos, sin = rope_tables(self.cfg.layer_config(), positions)
+        a, k, v = self.attn(self.layer_input(emb, feat), cos, sin, cache.k[0], cache.v[0], cache.lengths)
+        return self.finish(feat, a), cache.replace(k=(k,), v=(v,))
+
+    def logits(self, g: jax.Array) -> jax.Array:
+        """g `[..., D]` -> f32 draft-vocab logits `[..., N]`."""
+        return linear(self.head[...], self.norm(g)).astype(jnp.float32)
+
+    def new_cache(self, batch: int, size: int) -> KVCache:
+        c = self.cfg
+        return KVCache.create(1, batch, size, c.num_kv_heads, c.head_dim, self.fc[...].dtype)
+
+
+@dataclasses.dataclass
+class Eagle3Weights:
+    """A loaded drafter: config, split module, and the draft -> target vocabulary map."""
+
+    config: Eagle3Config
+    graphdef: Any
+    params: Any  # nnx.State
+    d2t: jax.Array  # [N] int32 target ids of the draft vocabulary
+    source: str = ""
+
+    def module(self) -> Eagle3:
+        return nnx.merge(self.graphdef, self.params)
+
+
+def vocab_maps(counts: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Draft vocabulary = the `size` most frequent target tokens (ties: lower id first).
+
+    Returns `d2t [N]` (draft index -> target id, ascending target ids) and `t2d [V]` (target id ->
+    draft index, -1 outside the draft vocabulary); `t2d[d2t] == arange(N)`.
+    """
+    order = np.lexsort((np.arange(len(counts)), -np.asarray(counts)))[:size]
+    d2t = np.sort(order).astype(np.int32)
+    t2d = np.full(len(counts), -1, np.int32)
+    t2d[d2t] = np.arange(size, dtype=np.int32)
+    return d2t, t2d
+
+
+def init_weights(cfg: Eagle3Config, d2t: np.ndarray, seed: int = 0, dtype=jnp.float32) -> Eagle3Weights:
+    graphdef, params = nnx.split(Eagle3(cfg, rngs=nnx.Rngs(seed), dtype=dtype))
+    return Eagle3Weights(cfg, graphdef, params, jnp.asarray(d2t, jnp.int32), "random")
+
+
+def save(w: Eagle3Weights, out_dir: str, dtype=None, metadata: dict | None = None) -> str:
+    """Write `config.json` + `model.safetensors` (params, optionally cast, and `d2t`)."""
+    from specjax.models.loading import _flatten
+    from specjax.models.loading.safetensors_io import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {}
+    for name, arr in _flatten(nnx.to_pure_dict(w.params)):
+        a = np.asarray(jnp.asarray(arr, dtype) if dtype is not None else arr)
+        tensors[name] = a
+    tensors["d2t"] = np.asarray(w.d2t, np.int32)
+    save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE))
+    with open(os.path.join(out_dir, CONFIG_FILE), "w") as fh:
+        json.dump({**w.config.to_dict(), **(metadata or {})}, fh, indent=1)
+    return out_dir
+
+
+def load(path: str, dtype=jnp.float32) -> Eagle3Weights:
+    """Load a drafter directory written by `save`; clear one-line errors for bad input."""
+    from specjax.models.loading import _unflatten
+    from specjax.models.loading.safetensors_io import SafetensorsFile
+
+    cfg_path, w_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isdir(path) or not os.path.isfile(cfg_path):
+        raise DrafterError(f"EAGLE-3 drafter not found: {path} (expected a directory with {CONFIG_FILE})")
+    try:
+        with open(cfg_path) as fh:
+            raw = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise DrafterError(f"{cfg_path}: not a readable JSON config ({e})") from None
+    if raw.get("drafter", KIND) != KIND:
+        raise DrafterError(f"{path} holds a {raw.get('drafter')!r} drafter, not {KIND!r}")
+    cfg = Eagle3Config.from_dict(raw, cfg_path)
+    if not os.path.isfile(w_path):
+        raise DrafterError(f"EAGLE-3 weights missing: {w_path}")
+    try:
+        f = SafetensorsFile(w_path)
+        arrays = {name: f.get(name) for name in f.names()}
+    except Exception as e:  # ModelLoadError from the reader carries the reason
+        raise DrafterError(str(e)) from None
+    d2t = arrays.pop("d2t", None)
+    if d2t is None or d2t.shape != (cfg.draft_vocab_size,):
+        raise DrafterError(f"{w_path}: missing or malformed 'd2t' ({cfg.draft_vocab_size} entries expected)")
+    abstract = nnx.eval_shape(lambda: Eagle3(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, state = nnx.split(abstract)
+    want = dict(_flatten_state(state))
+    if set(want) != set(arrays):
+        missing = sorted(set(want) - set(arrays))
+        raise DrafterError(f"{w_path}: tensors do not match the config (missing: {missing[:3]}, "
+                           f"unexpected: {sorted(set(arrays) - set(want))[:3]})")
+    for name, a in arrays.items():
+        if tuple(a.shape) != tuple(want[name]):
+            raise DrafterError(f"{w_path}: tensor {name} has shape {a.shape}, config expects {want[name]}")
+    nnx.replace_by_pure_dict(state, _unflatten((k, jnp.asarray(v, dtype)) for k, v in arrays.items()))
+    return Eagle3Weights(cfg, graphdef, state, jnp.asarray(d2t, jnp.int32), path)
+
+
+def _flatten_state(state):
+    from specjax.models.loading import _flatten
+
+    return ((k, v.shape) for k, v in _flatten(nnx.to_pure_dict(state)))
+
+
+@struct.dataclass
+class Eagle3State:
+    cache: KVCache  # one layer; lengths = m = hist_len - 1 after every commit
+    g_last: jax.Array  # [B, D] drafter output at position m - 1 (gives draft 1)
+
+
+class Eagle3Drafter(Drafter):
+    name = "eagle3"
+    needs_final_hidden = False
+
+    def __init__(self, num_draft: int, weights: Eagle3Weights, target):
+        super().__init__(num_draft)
+        weights.config.check_target(target.config, f"EAGLE-3 drafter {weights.source}".strip())
+        self.weights = weights
+        self.target = target
+        self.hidden_layers = weights.config.target_layers
+
+    def cache_key(self):
+        return super().cache_key() + (id(self.weights), self.hidden_layers)
+
+    def params(self):
+        return {"net": self.weights.params, "d2t": self.weights.d2t, "embed": self.target.params["embed"][...]}
+
+    def _draft_token(self, dparams, logits, key, ctx):
+        """Draft-vocab logits `[B, N]` -> target-vocab token `[B]` and q `[B, V]` (None if greedy)."""
+        d2t = dparams["d2t"]
+        if ctx.all_greedy:
+            return d2t[jnp.argmax(logits, axis=-1)], None
+        full = jnp.full((logits.shape[0], self.target.config.vocab_size), -jnp.inf, jnp.float32)
+        full = full.at[:, d2t].set(logits)  # [B, V]: tokens outside the draft vocabulary get q = 0
+        return sample(key, full, ctx.sampling), target_probs(full, ctx.sampling)
+
+    def init(self, dparams, ctx: InitContext):
+        net = nnx.merge(self.weights.graphdef, dparams["net"])
+        b, t = ctx.prompt.shape
+        nxt = ctx.history[:, 1 : t + 1]  # [B, T]: x_{t+1}, the first emitted token at t = P - 1
+        emb = jnp.take(dparams["embed"], nxt, axis=0).astype(net.fc[...].dtype)  # [B, T, D]
+        cache = net.new_cache(b, ctx.cache_size)
+        g, cache = net.step(emb, net.fuse(ctx.target_hidden), cache)  # [B, T, D]
+        g_last = jnp.take_along_axis(g, (ctx.prompt_len - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+        return Eagle3State(cache.with_lengths(ctx.prompt_len), g_last)
+
+    def propose(self, dparams, st: Eagle3State, ctx: StepContext):
+        net = nnx.merge(self.weights.graphdef, dparams["net"])
+        keys = jax.random.split(ctx.key, self.num_draft)
+        cache, g = st.cache, st.g_last
+        drafts, qs = [], []
+        for i in range(self.num_draft):  # K is small and static: unrolled
+            if i > 0:  # position m + i - 1: embed(d_i) with the drafter's own feature
+                emb = jnp.take(dparams["embed"], drafts[-1], axis=0)[:, None].astype(g.dtype)  # [B, 1, D]
+                g1, cache = net.step(emb, g[:, None], cache)
+                cache, g = cache.advance(1), g1[:, 0]
+            tok, q = self._draft_token(dparams, net.logits(g), keys[i], ctx)
+            drafts.append(tok.astype(jnp.int32))
+            qs.append(q)
+        draft = jnp.stack(drafts, axis=1)  # [B, K]
+        q = None if ctx.all_greedy else jnp.stack(qs, axis=1)  # [B, K, V]
+        # Scratch entries written past m are overwritten by commit; lengths go back to m.
+        return Proposal(draft, q), st.replace(cache=cache.with_lengths(st.cache.lengths))
+
+    def commit(self, dparams, st: Eagle3State, ctx: CommitContext):
+        net = nnx.merge(self.weights.graphdef, dparams["net"])
+        old_m = st.cache.lengths  # [B]
+        kp1 = ctx.tokens.shape[1]
+        idx = jnp.minimum(old_m[:, None] + 1 + jnp.arange(kp1)[None], ctx.history.shape[1] - 1)
+        nxt = jnp.take_along_axis(ctx.history, idx, axis=1)  # [B, K+1]: x_{t+1} for t = old_m + j
+        emb = jnp.take(dparams["embed"], nxt, axis=0).astype(st.g_last.dtype)  # [B, K+1, D]
+        g, cache = net.step(emb, net.fuse(ctx.target_hidden), st.cache)  # [B, K+1, D]
+        new_m = ctx.hist_len - 1
+        g_new = jnp.take_along_axis(g, jnp.clip(new_m - old_m - 1, 0, kp1 - 1)[:, None, None], axis=1)[:, 0]
+        g_last = jnp.where((new_m > old_m)[:, None], g_new, st.g_last)
+        return Eagle3State(cache.with_lengths(new_m), g_last)

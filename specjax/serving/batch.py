@@ -1,0 +1,477 @@
+"""Batch jobs (`specjax batch`): a JSONL file of prompts in, a JSONL file of results out.
+
+Input rows are `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`, optionally
+with their own `temperature`, `top_k`, `top_p`, `max_new_tokens`, `seed` (the CLI flags give the
+defaults). Output rows are `{"id", "line", "text", "token_ids", "finish_reason", "stats"}`, the
+fields of `specjax generate --json` plus the input line number, in completion order (merged
+multi-process outputs are in input order).
+
+A job can be killed at any moment and rerun with the same command; it then loses and repeats
+nothing:
+
+* each result is one line appended with one `os.write` and an `fsync`, and on start a trailing
+  partial line (a crash mid-write) is truncated away; ids already in the output are done;
+* the batches are planned from the input and the settings alone, never from what is done: a
+  batch with some rows done is run whole again and only its missing rows are written. Every row
+  is therefore computed in the same batch, with the same shapes and random key, as in an
+  uninterrupted run: resumed outputs equal uninterrupted ones bit for bit, sampled rows too.
+
+Bad rows (invalid JSON, no id, no prompt, duplicate id, a prompt over the context, invalid
+sampling values) go to `<output>.errors.jsonl` as `{"line", "id", "reason"}` and the job goes
+on. Validation is a pure function of the input, so the errors file is rewritten on each run.
+
+Batching: rows are grouped by what one compiled batch must share (greedy rows; sampled rows per
+seed, since the engine draws one key per batch), sorted by prompt length within a group (fewer
+prompt buckets, rows that finish together) and cut into batches of `--batch-size`. All batches of
+a group are padded to one row count (a multiple of the mesh's `data` size) so few shapes compile.
+Sampled batches draw from a key derived from the rows' seed and the batch's first input line,
+so batches do not share random streams and reruns reproduce them.
+
+Devices and hosts: see `scaleout.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from specjax.errors import SpecjaxError
+from specjax.serving import scaleout
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "max_new_tokens", "seed")
+LATENCY_BATCH_SIZE = {"batch": 16, "interactive": 1}  # default --batch-size per latency class
+
+
+@dataclasses.dataclass
+class JobRow:
+    line: int  # 1-based line of the input
+    id: str | int
+    prompt: str | list  # text (chat template applied unless raw) or chat messages
+    sampling: Any  # SamplingParams
+    token_ids: list[int] | None = None  # set by validation (own share only)
+
+
+@dataclasses.dataclass
+class BadRow:
+    line: int
+    id: Any  # None when the row has no usable id
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"line": self.line, "id": self.id, "reason": self.reason}
+
+
+@dataclasses.dataclass
+class BatchConfig:
+    output: str
+    input: str | None = None  # a JSONL file, or
+    suite: str | None = None  # a packaged prompt suite (specjax.datasets): humaneval, mtbench, sharegpt
+    limit: int | None = None  # only the first N rows (of the file or the suite)
+    model: Any = None  # a Model, a path, or None (the default model)
+    dtype: str | None = None
+    drafter: str | None = "none"
+    num_draft: int = 0
+    sampling: Any = None  # default SamplingParams of rows
+    batch_size: int | None = None  # None: from the latency class
+    latency_class: str = "batch"
+    raw: bool = False  # no chat template for "prompt" strings
+    mesh: str | None = None  # "data=2,model=2"; None: every local device on `data`
+    process_id: int = 0
+    num_processes: int = 1
+    merge_wait: float = 600.0  # process 0 gives up merging when no part grew for this long
+    progress: bool = True
+
+
+# ---- input -------------------------------------------------------------------------------------
+
+
+def read_input(cfg: BatchConfig) -> list[tuple[int, bytes]]:
+    """(line number, raw bytes) of every non-blank input line."""
+    if cfg.suite:
+        from specjax import datasets
+
+        rows = datasets.load_suite(cfg.suite, cfg.limit)
+        return [(i + 1, json.dumps({"id": f"{cfg.suite}-{i}", "messages": m}).encode()) for i, m in enumerate(rows)]
+    try:
+        with open(cfg.input, "rb") as fh:
+            data = fh.read()
+    except OSError as e:
+        raise SpecjaxError(f"{cfg.input}: {e.strerror or e}") from None
+    lines = [(i, line) for i, line in enumerate(data.split(b"\n"), 1) if line.strip()]
+    return lines[: cfg.limit] if cfg.limit else lines
+
+
+def write_suite_jsonl(suite: str, path: str, limit: int | None = None) -> int:
+    """Write a packaged suite as batch input (`{"id", "messages"}` rows); returns the row count."""
+    lines = read_input(BatchConfig(output="", suite=suite, limit=limit))
+    scaleout.write_atomic(path, b"".join(raw + b"\n" for _, raw in lines))
+    return len(lines)
+
+
+def _valid_id(x) -> bool:
+    return (isinstance(x, str) and x != "") or (isinstance(x, int) and not isinstance(x, bool))
+
+
+def parse_row(line: int, raw: bytes, defaults) -> JobRow | BadRow:
+    """One input line -> a row (not yet tokenized) or the reason it is bad."""
+    from specjax.sampling import SamplingParams
+
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return BadRow(line, None, "not UTF-8 text")
+    except json.JSONDecodeError as e:
+        return BadRow(line, None, f"invalid JSON ({e.msg} at column {e.colno})")
+    if not isinstance(obj, dict):
+        return BadRow(line, None, "a row must be a JSON object")
+    rid = obj.get("id")
+    if not _valid_id(rid):
+        return BadRow(line, None, "missing id: a row needs an 'id' (a non-empty string or an integer)")
+    has_p, has_m = "prompt" in obj, "messages" in obj
+    if has_p and has_m:
+        return BadRow(line, rid, "give either 'prompt' or 'messages', not both")
+    if has_p:
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            return BadRow(line, rid, "'prompt' must be a non-empty string")
+    elif has_m:
+        prompt = obj["messages"]
+        if not isinstance(prompt, list) or not prompt or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt
+        ):
+            return BadRow(line, rid, "'messages' must be a non-empty list of {'role': str, 'content': str}")
+    else:
+        return BadRow(line, rid, "missing prompt: a row needs a 'prompt' string or a 'messages' list")
+    kw = {}
+    for f in SAMPLING_FIELDS:
+        if f in obj:
+            v = obj[f]
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                return BadRow(line, rid, f"{f} must be a number, got {v!r}")
+            kw[f] = v
+    if "seed" in kw and (not isinstance(kw["seed"], int) or not 0 <= kw["seed"] < 2**32):
+        return BadRow(line, rid, f"seed must be an integer in [0, 2**32), got {kw['seed']!r}")
+    try:
+        sampling = dataclasses.replace(defaults, **kw) if kw else defaults
+    except SpecjaxError as e:  # SamplingParams validates on construction
+        return BadRow(line, rid, str(e))
+    assert isinstance(sampling, SamplingParams)
+    return JobRow(line, rid, prompt, sampling)
+
+
+def parse_input(lines: list[tuple[int, bytes]], defaults) -> list[JobRow | BadRow]:
+    """Parse every line; a repeated id is bad on every line after the first that has it."""
+    first: dict[str, int] = {}
+    out = []
+    for line, raw in lines:
+        r = parse_row(line, raw, defaults)
+        if r.id is not None:
+            key = json.dumps(r.id)
+            if key in first:
+                r = BadRow(line, r.id, f"duplicate id (first on line {first[key]})")
+            else:
+                first[key] = line
+        out.append(r)
+    return out
+
+
+def tokenize(model, row: JobRow, raw: bool) -> JobRow | BadRow:
+    """Token ids of a row's prompt, checked against the context (prompt + its max_new_tokens)."""
+    from specjax.generate import check_fits, encode_prompt
+
+    try:
+        ids = encode_prompt(model, row.prompt, raw)
+        check_fits(model, len(ids), row.sampling.max_new_tokens)
+    except SpecjaxError as e:
+        return BadRow(row.line, row.id, str(e))
+    except Exception as e:  # e.g. a chat template that rejects these messages
+        return BadRow(row.line, row.id, f"cannot tokenize the prompt: {type(e).__name__}: {e}")
+    return dataclasses.replace(row, token_ids=ids)
+
+
+def input_fingerprint(lines: list[tuple[int, bytes]]) -> str:
+    h = hashlib.sha256()
+    for line, raw in lines:
+        h.update(b"%d:" % line + raw + b"\n")
+    return h.hexdigest()[:16]
+
+
+# ---- results file ------------------------------------------------------------------------------
+
+
+class ResultsFile:
+    """An append-only JSONL file of results; each line is written whole or not at all."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.done: set[str] = set()  # json.dumps(id) of rows already written
+        try:
+            with open(path, "rb+") as fh:
+                data = fh.read()
+                end = data.rfind(b"\n") + 1
+                if end < len(data):  # a crash mid-write (or a torn copy): drop the partial line
+                    fh.truncate(end)
+        except FileNotFoundError:
+            data, end = b"", 0
+        except OSError as e:
+            raise SpecjaxError(f"{path}: {e.strerror or e}") from None
+        for i, line in enumerate(data[:end].split(b"\n")[:-1], 1):
+            if not line.strip():
+                continue
+            try:
+                rid = json.loads(line)["id"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise SpecjaxError(f"{path}:{i}: not a result line; fix the file or choose another --output") from None
+            self.done.add(json.dumps(rid))
+        try:
+            self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise SpecjaxError(f"{path}: {e.strerror or e}") from None
+
+    def append(self, obj: dict) -> None:
+        data = (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+        n = os.write(self.fd, data)  # one write of the whole line; O_APPEND puts it at the end
+        while n < len(data):  # only on exotic filesystems; a crash here leaves a partial line
+            n += os.write(self.fd, data[n:])
+        os.fsync(self.fd)
+        self.done.add(json.dumps(obj["id"]))
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+# ---- planning ----------------------------------------------------------------------------------
+
+
+def plan_batches(rows: list[JobRow], batch_size: int, data: int = 1) -> list[tuple[list[JobRow], int]]:
+    """Deterministic (batch, padded row count) pairs of the share's valid rows (see the module
+    docstring). Every batch of a group runs with the same row count, the smaller of batch_size
+    and the group's size rounded up to a power of two (then to a multiple of `data`): one
+    compiled shape per group and prompt bucket, and a job of a few rows does not run a large batch.
+    """
+    groups: dict[tuple, list[JobRow]] = {}
+    for r in rows:
+        key = ("greedy",) if r.sampling.greedy else ("sampled", r.sampling.seed)
+        groups.setdefault(key, []).append(r)
+    out = []
+    for g in groups.values():
+        g = sorted(g, key=lambda r: (len(r.token_ids), r.line))
+        size = min(batch_size, 1 << (len(g) - 1).bit_length())
+        size = -(-size // data) * data
+        out += [(g[i : i + batch_size], size) for i in range(0, len(g), batch_size)]
+    return out
+
+
+def batch_inputs(batch: list[JobRow], size: int) -> tuple[list[list[int]], list]:
+    """Token ids and sampling params of a batch padded to `size` rows. Pad rows repeat the first
+    prompt for one token (they are done after the prefill); sampled batches get a key seed
+    derived from the rows' seed and the first input line (the engine keys a batch by its first
+    row's seed)."""
+    first = batch[0].sampling
+    seed = first.seed if first.greedy else (first.seed * 1_000_003 + batch[0].line) % 2**31
+    params = [dataclasses.replace(r.sampling, seed=seed) for r in batch]
+    params += [dataclasses.replace(first, seed=seed, max_new_tokens=1)] * (size - len(batch))
+    ids = [r.token_ids for r in batch] + [batch[0].token_ids] * (size - len(batch))
+    return ids, params
+
+
+# ---- progress ----------------------------------------------------------------------------------
+
+
+class Meter:
+    """Counts this run's rows and tokens; drives a rich progress bar (rows/s, tok/s, MAL, ETA)."""
+
+    def __init__(self, total: int, already: int, enabled: bool, label: str):
+        self.t0 = time.perf_counter()
+        self.rows = self.tokens = self.steps = self.step_tokens = 0
+        self.progress = None
+        if enabled and total:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn(label), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]}"), TextColumn("ETA"), TimeRemainingColumn(),
+                console=Console(file=sys.stderr),
+            )
+            self.task = self.progress.add_task("batch", total=total, completed=already, rate="")
+            self.progress.start()
+
+    def add(self, result) -> None:
+        self.rows += 1
+        self.tokens += len(result.token_ids)
+        self.steps += result.stats.steps
+        self.step_tokens += max(len(result.token_ids) - 1, 0)  # the prefill's token is no step
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0
+
+    @property
+    def mal(self) -> float:
+        return self.step_tokens / self.steps if self.steps else 1.0
+
+    def rates(self) -> str:
+        s = max(self.seconds, 1e-9)
+        return f"{self.rows / s:.2f} rows/s  {self.tokens / s:.1f} tok/s  MAL {self.mal:.2f}"
+
+    def advance(self, n: int) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, advance=n, rate=self.rates())
+
+    def stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+# ---- the job -----------------------------------------------------------------------------------
+
+
+def log(msg: str) -> None:
+    print(f"specjax batch: {msg}", file=sys.stderr, flush=True)
+
+
+def check_paths(cfg: BatchConfig) -> None:
+    """Fail fast, before anything loads, on an unreadable input or an unwritable output."""
+    if bool(cfg.input) == bool(cfg.suite):
+        raise SpecjaxError("batch: give exactly one of --input FILE and --suite NAME")
+    if cfg.input:
+        try:
+            with open(cfg.input, "rb"):
+                pass
+        except OSError as e:
+            raise SpecjaxError(f"{cfg.input}: {e.strerror or e}") from None
+    out_dir = os.path.dirname(os.path.abspath(cfg.output))
+    if not os.path.isdir(out_dir):
+        raise SpecjaxError(f"{cfg.output}: directory {out_dir} does not exist")
+    if os.path.isdir(cfg.output):
+        raise SpecjaxError(f"{cfg.output}: is a directory")
+    if not 0 <= cfg.process_id < cfg.num_processes:
+        raise SpecjaxError(f"--process-id must be in [0, {cfg.num_processes}), got {cfg.process_id}")
+    if cfg.latency_class not in LATENCY_BATCH_SIZE:
+        raise SpecjaxError(f"--latency-class must be one of {', '.join(LATENCY_BATCH_SIZE)}")
+    if cfg.batch_size is not None and cfg.batch_size < 1:
+        raise SpecjaxError(f"--batch-size must be >= 1, got {cfg.batch_size}")
+
+
+def run_batch(cfg: BatchConfig) -> dict:
+    """Run (or resume) this process's share of a job; returns the summary (also printed)."""
+    import jax
+
+    from specjax.generate import get_drafter, get_model
+    from specjax.sampling import SamplingParams
+
+    check_paths(cfg)
+    n_proc, pid = cfg.num_processes, cfg.process_id
+    out_path = cfg.output if n_proc == 1 else scaleout.part_path(cfg.output, pid, n_proc)
+    err_path = scaleout.errors_path(out_path)
+    if n_proc > 1 and os.path.exists(scaleout.done_path(out_path)):
+        os.remove(scaleout.done_path(out_path))  # rewritten when this run completes the part
+    batch_size = cfg.batch_size or LATENCY_BATCH_SIZE[cfg.latency_class]
+
+    lines = read_input(cfg)
+    parsed = parse_input(lines, cfg.sampling or SamplingParams())
+    mine = [r for i, r in enumerate(parsed) if i % n_proc == pid]
+    sizes = scaleout.parse_mesh(cfg.mesh, len(jax.local_devices()))
+
+    model = get_model(cfg.model, cfg.dtype)
+    get_drafter(cfg.drafter, cfg.num_draft, model)  # a bad drafter spec fails before any work
+    mesh = scaleout.make_mesh(sizes)
+    model = scaleout.place_model(model, mesh)
+    results = ResultsFile(out_path)  # repairs a torn last line before any row runs
+
+    # Rows already written are tokenized too: their lengths place them in their batch.
+    checked = [tokenize(model, r, cfg.raw) if isinstance(r, JobRow) else r for r in mine]
+    rows = [r for r in checked if isinstance(r, JobRow)]
+    bad = [r for r in checked if isinstance(r, BadRow)]
+    scaleout.write_atomic(err_path, b"".join(_line(b.to_dict()) for b in bad))
+
+    already = sum(json.dumps(r.id) in results.done for r in rows)
+    meter = Meter(len(rows), already, cfg.progress, f"part {pid}/{n_proc}" if n_proc > 1 else "batch")
+    data = sizes["data"] if mesh is not None else 1
+    errors_fd = os.open(err_path, os.O_WRONLY | os.O_APPEND)
+    try:
+        for batch, size in plan_batches(rows, batch_size, data):
+            todo = [r for r in batch if json.dumps(r.id) not in results.done]
+            if not todo:
+                continue
+            # The whole batch runs even when some rows are done, so every row gets exactly the
+            # result an uninterrupted run gives it; only the missing rows are written.
+            for r, res in generate_batch(batch, size, model, cfg, mesh):
+                if json.dumps(r.id) in results.done:
+                    continue
+                if isinstance(res, SpecjaxError):
+                    bad.append(BadRow(r.line, r.id, str(res)))
+                    os.write(errors_fd, _line(bad[-1].to_dict()))
+                else:
+                    results.append({"id": r.id, "line": r.line, **res.to_dict()})
+                    meter.add(res)
+            meter.advance(len(todo))
+    finally:
+        meter.stop()
+        results.close()
+        os.close(errors_fd)
+
+    secs = meter.seconds
+    summary = {
+        "output": out_path, "rows": len(results.done), "written": meter.rows, "already": already,
+        "errors": len(bad), "errors_file": err_path, "tokens": meter.tokens, "seconds": secs,
+        "rows_per_second": meter.rows / secs, "tokens_per_second": meter.tokens / secs,
+        "mean_accepted_length": meter.mal,
+    }
+    log(f"{meter.rows} rows written to {out_path} ({already} were already there), {len(bad)} bad rows "
+        f"in {err_path}; {meter.tokens} tokens in {secs:.1f} s: {meter.rates()}")
+    if n_proc > 1:
+        finish_part(cfg, out_path, lines, summary)
+    return summary
+
+
+def _line(obj: dict) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+
+
+def generate_batch(batch, size, model, cfg, mesh) -> list[tuple[JobRow, Any]]:
+    """(row, GenerationResult) for each row; when the batch fails on bad input, its rows run
+    one by one and those that fail alone get their SpecjaxError instead of a result."""
+    import specjax
+
+    def gen(rows):
+        ids, params = batch_inputs(rows, max(size, len(rows)))
+        out = specjax.generate(ids, model=model, sampling=params, drafter=cfg.drafter, num_draft=cfg.num_draft,
+                               mesh=mesh)
+        return out[: len(rows)]
+
+    try:
+        return list(zip(batch, gen(batch)))
+    except SpecjaxError as e:
+        if len(batch) == 1:
+            return [(batch[0], e)]
+    out = []
+    for r in batch:
+        try:
+            out.append((r, gen([r])[0]))
+        except SpecjaxError as e:
+            out.append((r, e))
+    return out
+
+
+def finish_part(cfg: BatchConfig, part: str, lines, summary: dict) -> None:
+    """Mark the part complete; merge when every part is (process 0 waits for the others)."""
+    marker = {"rows": summary["rows"], "errors": summary["errors"], "input": input_fingerprint(lines),
+              "num_processes": cfg.num_processes}
+    scaleout.write_atomic(scaleout.done_path(part), json.dumps(marker).encode())
+    n = cfg.num_processes
+    if cfg.process_id == 0 and not scaleout.wait_for_parts(cfg.output, n, cfg.merge_wait, log):
+        log(f"gave up waiting for parts {scaleout.missing_parts(cfg.output, n)}: no progress for "
+            f"{cfg.merge_wait:.0f} s; when they finish, `specjax batch --merge --output {cfg.output} "
+            f"--num-processes {n}`")
+        return
+    if not scaleout.missing_parts(cfg.output, n):
+        rows = scaleout.merge_parts(cfg.output, n)
+        log(f"merged {n} parts: {rows} rows in {cfg.output}")

@@ -1,0 +1,372 @@
+"""Batch jobs (`specjax batch`, specjax/serving/): resume after a real SIGKILL, the errors file,
+a sharded run on 4 host devices and a two-process run over loopback equal to one process, and
+bad CLI input.
+
+Everything runs a tiny random checkpoint (1 layer, weights with std 0.3 so greedy texts differ
+from row to row) with the default model's real tokenizer and chat template. The reference is an
+uninterrupted single-device run in this process; runs that need their own JAX (XLA_FLAGS,
+jax.distributed) or a kill are real `specjax batch` subprocesses. Prompts all fall in one
+prompt bucket and groups in one batch shape, so each process compiles once per group.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import hf_llama_config, specjax_cli_cmd
+
+MAX_NEW = 8
+BATCH = 4
+
+
+def job_rows() -> list[dict]:
+    """12 greedy rows (prompts and chat messages, one with its own max_new_tokens) and 4 rows
+    sampled at temperature 0.9 with seed 5."""
+    rows = []
+    for i in range(16):
+        if i % 3 == 0:
+            row = {"id": f"q{i}", "messages": [{"role": "user", "content": f"Question {i}: why is the sky blue?"}]}
+        else:
+            row = {"id": f"q{i}", "prompt": f"Tell me about topic number {i}" + " please" * (i % 4)}
+        if i >= 12:
+            row.update(temperature=0.9, seed=5)
+        rows.append(row)
+    rows[4]["max_new_tokens"] = 3
+    rows[5]["id"] = 5  # integer ids are fine too
+    return rows
+
+
+def write_jsonl(path, rows) -> str:
+    with open(path, "w") as fh:
+        for r in rows:
+            fh.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+def read_rows(path) -> list[dict]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, default_model):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    d = str(tmp_path_factory.mktemp("batch_model"))
+    torch.manual_seed(0)
+    cfg = hf_llama_config(vocab_size=default_model.config.vocab_size, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          max_position_embeddings=256, initializer_range=0.3)
+    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
+    default_model.tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    import specjax
+
+    return specjax.load_model(model_dir, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def job_input(tmp_path_factory) -> str:
+    return write_jsonl(tmp_path_factory.mktemp("batch_in") / "in.jsonl", job_rows())
+
+
+@pytest.fixture(scope="module")
+def greedy_input(tmp_path_factory) -> str:
+    rows = [r for r in job_rows() if "temperature" not in r]
+    return write_jsonl(tmp_path_factory.mktemp("batch_in_greedy") / "in.jsonl", rows)
+
+
+def config(model, inp, out, **kw):
+    from specjax.sampling import SamplingParams
+    from specjax.serving.batch import BatchConfig
+
+    return BatchConfig(output=str(out), input=inp, model=model, sampling=SamplingParams(max_new_tokens=MAX_NEW),
+                       batch_size=BATCH, progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(model, job_input, tmp_path_factory) -> dict:
+    """id -> result row of an uninterrupted one-process, one-device run."""
+    from specjax.serving.batch import run_batch
+
+    out = tmp_path_factory.mktemp("batch_ref") / "ref.jsonl"
+    summary = run_batch(config(model, job_input, out))
+    assert summary["written"] == 16 and summary["errors"] == 0
+    rows = read_rows(out)
+    return {r["id"]: r for r in rows}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    """Environment of the subprocesses: CPU, no inherited XLA_FLAGS, and one persistent JAX
+    compilation cache, so a restarted process loads what its predecessor compiled (as a real
+    deployment would) instead of spending the test's time compiling it again."""
+    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    e.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    return e
+
+
+def cli_args(model_dir, inp, out, *more) -> list[str]:
+    return [*specjax_cli_cmd(), "batch", "--input", inp, "--output", str(out), "--model", model_dir,
+            "--max-new-tokens", str(MAX_NEW), "--batch-size", str(BATCH), "--no-progress", *more]
+
+
+def wait_for_lines(path, proc, n=1, timeout=180.0) -> None:
+    """Until `path` holds n complete lines (or `proc` ends)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout and proc.poll() is None:
+        if os.path.exists(path):
+            with open(path, "rb") as fh:
+                if fh.read().count(b"\n") >= n:
+                    return
+        time.sleep(0.01)
+
+
+def assert_same(rows: list[dict], reference: dict, ids: list, greedy_only: bool = False) -> None:
+    """Each id exactly once and, row by row, the reference's tokens and text."""
+    counts = collections.Counter(json.dumps(r["id"]) for r in rows)
+    assert all(c == 1 for c in counts.values()), [k for k, c in counts.items() if c > 1]
+    assert set(counts) == {json.dumps(i) for i in ids}
+    for r in rows:
+        ref = reference[r["id"]]
+        if greedy_only and ref["id"] in {x["id"] for x in job_rows() if "temperature" in x}:
+            continue
+        fields = ("token_ids", "text", "finish_reason")
+        assert [r[f] for f in fields] == [ref[f] for f in fields], r["id"]
+
+
+# ---- resume --------------------------------------------------------------------------------------
+
+
+def test_resume_after_sigkill(model_dir, job_input, reference, env, tmp_path):
+    """SIGKILL a real `specjax batch` once results appear, tear its last line, rerun: every id
+    once, every row (sampled ones too) equal to the uninterrupted run."""
+    out = tmp_path / "res.jsonl"
+    args = cli_args(model_dir, job_input, out)
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_lines(out, proc)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, f"the job ended before it could be killed: {err[-2000:]}"
+    killed_at = len(read_rows(out))
+    assert 0 < killed_at < 16
+    with open(out, "ab") as fh:  # what a crash in the middle of a write would leave
+        fh.write(b'{"id": "q0", "line": 1, "text": "tor')
+
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"{16 - killed_at} rows written" in done.stderr and f"{killed_at} were already there" in done.stderr
+    rows = read_rows(out)
+    assert len(rows) == 16
+    assert_same(rows, reference, [r["id"] for r in job_rows()])
+
+
+def test_resume_reruns_partly_done_batches(model, job_input, reference, tmp_path):
+    """Rows missing from the middle of batches (a kill between two rows' writes) are redone in
+    their original batch: results identical, nothing written twice, the errors file not doubled."""
+    from specjax.serving.batch import run_batch
+
+    out = tmp_path / "res.jsonl"
+    kept = [r for i, r in enumerate(reference.values()) if i % 3 != 1]  # a row from most batches
+    with open(out, "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in kept)
+        fh.write('{"id": "q1", "text": "partial li')
+    summary = run_batch(config(model, job_input, out))
+    assert summary["written"] == 16 - len(kept) and summary["already"] == len(kept)
+    assert_same(read_rows(out), reference, [r["id"] for r in job_rows()])
+    assert read_rows(str(out) + ".errors.jsonl") == []
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+
+
+def test_errors_file_names_each_bad_row(model, reference, tmp_path):
+    from specjax.serving.batch import run_batch
+
+    good = job_rows()[:4]
+    lines = [json.dumps(r) for r in good] + [
+        "{not json",                                                      # 5
+        "[1, 2, 3]",                                                      # 6
+        json.dumps({"id": "np"}),                                         # 7
+        json.dumps({"prompt": "no id here"}),                             # 8
+        json.dumps({"id": "q1", "prompt": "the same id again"}),          # 9
+        json.dumps({"id": "long", "prompt": "word " * 300}),              # 10
+        json.dumps({"id": "fill", "prompt": "Hello there", "max_new_tokens": 250}),  # 11
+        json.dumps({"id": "t", "prompt": "x", "temperature": -1}),        # 12
+        json.dumps({"id": "p", "prompt": "x", "top_p": 1.5}),             # 13
+        json.dumps({"id": "k", "prompt": "x", "top_k": "3"}),             # 14
+        json.dumps({"id": "n", "prompt": "x", "max_new_tokens": 0}),      # 15
+        json.dumps({"id": "s", "prompt": "x", "seed": -1}),               # 16
+        json.dumps({"id": "m", "messages": []}),                          # 17
+        json.dumps({"id": "both", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}),  # 18
+        "",                                                               # 19: blank, skipped
+        json.dumps({"id": "", "prompt": "empty id"}),                     # 20
+        json.dumps({"id": "e", "prompt": "   "}),                         # 21
+    ]
+    inp = tmp_path / "in.jsonl"
+    with open(inp, "wb") as fh:
+        fh.write(("\n".join(lines) + "\n").encode())
+        fh.write(b'{"id": "bytes", "prompt": "\xff\xfe"}\n')               # 22
+    out = tmp_path / "out.jsonl"
+    summary = run_batch(config(model, str(inp), out))
+    assert summary["written"] == 4 and summary["errors"] == 17
+    assert sorted(r["id"] for r in read_rows(out)) == sorted(r["id"] for r in good if isinstance(r["id"], str))
+    errors = read_rows(str(out) + ".errors.jsonl")
+    expected = [
+        (5, None, "invalid JSON"), (6, None, "must be a JSON object"), (7, "np", "missing prompt"),
+        (8, None, "missing id"), (9, "q1", "duplicate id (first on line 2)"),
+        (10, "long", "does not fit the model's context of 256 tokens"),
+        (11, "fill", "max_new_tokens 250 exceeds the model's context"), (12, "t", "temperature"),
+        (13, "p", "top_p"), (14, "k", "top_k must be a number"), (15, "n", "max_new_tokens"),
+        (16, "s", "seed"), (17, "m", "'messages' must be a non-empty list"), (18, "both", "not both"),
+        (20, None, "missing id"), (21, "e", "'prompt' must be a non-empty string"), (22, None, "not UTF-8"),
+    ]
+    assert [(e["line"], e["id"]) for e in errors] == [(line, i) for line, i, _ in expected]
+    for e, (_, _, reason) in zip(errors, expected):
+        assert reason in e["reason"], (e, reason)
+
+
+# ---- devices -------------------------------------------------------------------------------------
+
+SHARDED_SCRIPT = r"""
+import json, sys
+import jax
+from specjax.sampling import SamplingParams
+from specjax.serving.batch import BatchConfig, run_batch
+model_dir, inp, out = sys.argv[1:4]
+info = {"devices": jax.local_device_count()}
+for mesh in ("data=4", "data=2,model=2"):
+    run_batch(BatchConfig(output=f"{out}.{mesh}", input=inp, model=model_dir, mesh=mesh, batch_size=4,
+                          sampling=SamplingParams(max_new_tokens=int(sys.argv[4])), progress=False))
+from specjax.generate import _ENGINES
+for model, engine in _ENGINES.values():
+    qkv = model.params["layers"][0]["attn"]["qkv"][...]
+    info[",".join(f"{k}={v}" for k, v in engine.mesh.shape.items())] = list(qkv.sharding.spec)
+print(json.dumps(info))
+"""
+
+
+def test_sharded_over_four_host_devices_matches_one_device(model_dir, greedy_input, reference, env, tmp_path):
+    """`--mesh data=4` (rows split over devices) and `data=2,model=2` (plus weights split
+    tensor-parallel) give the single-device run's greedy outputs."""
+    out = str(tmp_path / "out.jsonl")
+    proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT, model_dir, greedy_input, out, str(MAX_NEW)],
+                          env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["devices"] == 4
+    assert info["data=4,model=1"] == []  # replicated
+    assert info["data=2,model=2"] == ["model", None]  # split tensor-parallel
+    ids = [r["id"] for r in job_rows() if "temperature" not in r]
+    for mesh in ("data=4", "data=2,model=2"):
+        assert_same(read_rows(f"{out}.{mesh}"), reference, ids)
+
+
+# ---- hosts ---------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_over_loopback_with_a_restart(model_dir, job_input, reference, env, tmp_path):
+    """Two processes meet through jax.distributed on 127.0.0.1; process 1 is SIGKILLed once it
+    has written results and rerun alone; process 0 waits and merges. The merged output holds
+    every id once, in input order, with the one-process run's greedy outputs."""
+    from specjax.cli import main
+
+    out = tmp_path / "out.jsonl"
+    coord = ["--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
+    args = [cli_args(model_dir, job_input, out, *coord, "--process-id", str(i), "--merge-wait", "200")
+            for i in range(2)]
+    procs = [subprocess.Popen(a, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for a in args]
+    part1 = f"{out}.part-1-of-2"
+    wait_for_lines(part1, procs[1])
+    procs[1].send_signal(signal.SIGKILL)
+    _, err1 = procs[1].communicate()
+    assert procs[1].returncode == -signal.SIGKILL, f"process 1 ended before it could be killed: {err1[-2000:]}"
+    assert 0 < len(read_rows(part1)) < 8
+
+    rerun = subprocess.run(cli_args(model_dir, job_input, out, "--num-processes", "2", "--process-id", "1"),
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    _, err0 = procs[0].communicate(timeout=300)
+    assert procs[0].returncode == 0, err0
+    assert "merged 2 parts: 16 rows" in err0 + rerun.stderr
+
+    rows = read_rows(out)
+    ids = [r["id"] for r in job_rows()]
+    assert [r["id"] for r in rows] == ids  # input order
+    assert_same(rows, reference, ids, greedy_only=True)  # sampled rows ran in other batches
+    for i in range(2):  # each part: its own share (line index % 2), each id once
+        part = read_rows(f"{out}.part-{i}-of-2")
+        assert sorted(r["line"] for r in part) == list(range(i + 1, 17, 2))
+
+    os.remove(out)  # an explicit merge rebuilds the same file
+    assert main(["batch", "--merge", "--output", str(out), "--num-processes", "2"]) == 0
+    assert read_rows(out) == rows
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["missing", "directory", "no_input", "both_inputs", "merge_incomplete",
+                                  "half_process_flags", "bad_batch_size", "mesh_syntax", "mesh_too_big"])
+def test_cli_bad_input_one_line_exit_2(case, tmp_path, capsys):
+    from specjax.cli import main
+
+    out = str(tmp_path / "out.jsonl")
+    inp = write_jsonl(tmp_path / "in.jsonl", job_rows()[:1])
+    args = {
+        "missing": ["--input", str(tmp_path / "nope.jsonl")],
+        "directory": ["--input", str(tmp_path)],
+        "no_input": [],
+        "both_inputs": ["--input", inp, "--suite", "mtbench"],
+        "merge_incomplete": ["--merge", "--num-processes", "2"],
+        "half_process_flags": ["--input", inp, "--process-id", "1"],
+        "bad_batch_size": ["--input", inp, "--batch-size", "0"],
+        "mesh_syntax": ["--input", inp, "--mesh", "rows=2"],
+        "mesh_too_big": ["--input", inp, "--mesh", "data=2,model=2"],  # this process has one device
+    }[case]
+    assert main(["batch", "--output", out, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("specjax: error:"), err
+
+
+def test_cli_unreadable_input_subprocess(env, tmp_path):
+    """The installed console script: one line on stderr, exit code 2, nothing written."""
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run([*specjax_cli_cmd(), "batch", "--input", str(tmp_path / "missing.jsonl"),
+                           "--output", str(out)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "missing.jsonl" in proc.stderr
+    assert not out.exists()
+
+
+def test_suite_input_rows(tmp_path):
+    """`--suite NAME --limit N` (or write_suite_jsonl) makes batch input from a packaged suite."""
+    from specjax.serving.batch import write_suite_jsonl
+
+    path = str(tmp_path / "mtbench.jsonl")
+    assert write_suite_jsonl("mtbench", path, limit=3) == 3
+    rows = read_rows(path)
+    assert [r["id"] for r in rows] == ["mtbench-0", "mtbench-1", "mtbench-2"]
+    assert all(r["messages"][0]["role"] == "user" for r in rows)

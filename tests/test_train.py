@@ -1,0 +1,204 @@
+"""Drafter training: recipes, loss goes down, exact resume (in process and after SIGKILL of a real
+`specjax train` process), and data-parallel training on 4 host devices equal to one device."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from helpers import REPO, specjax_cli_cmd
+from specjax.models.config import tiny
+from specjax.models.loading import random_model
+from train.config import RecipeError, load_recipe
+from train.data import extract_features
+from train.eagle3 import Eagle3Task
+from train.loop import OptimConfig, batch_indices, fit, read_log
+
+LAYERS = (0, 1, 3)
+
+
+def sharp_target():
+    """A tiny random target with a peaked next-token distribution (a scaled LM head), so that the
+    drafter has something to learn."""
+    from flax import nnx
+
+    model = random_model(tiny(num_layers=4), seed=1)
+    pure = nnx.to_pure_dict(model.params)
+    pure["lm_head"] = pure["lm_head"] * 25.0
+    nnx.replace_by_pure_dict(model.params, pure)
+    return model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return sharp_target()
+
+
+@pytest.fixture(scope="module")
+def store(target, tmp_path_factory):
+    """Greedy continuations of the target (like `regen` data) of random prompts."""
+    from specjax.engine import Engine
+    from specjax.sampling import SamplingParams
+
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(0, 256, 6).tolist() for _ in range(32)]
+    rows = Engine(target).generate(prompts, [SamplingParams(max_new_tokens=26)] * 32)
+    seqs = [(p + r.token_ids, len(p)) for p, r in zip(prompts, rows)]
+    return extract_features(target, seqs, LAYERS, str(tmp_path_factory.mktemp("feat")), 32)
+
+
+def make_task(target, store):
+    return Eagle3Task(target, store.counts, draft_vocab_size=128, target_layers=LAYERS, ttt_steps=2, eval_k=3)
+
+
+def test_loss_drops_and_acceptance_improves(target, store, tmp_path):
+    task = make_task(target, store)
+    o = OptimConfig(steps=40, batch_size=8, lr=3e-3, warmup_steps=4, checkpoint_every=40, eval_every=40)
+    before = task.evaluate(task.init_params(o.seed), store)
+    fit(task, store, o, str(tmp_path), eval_store=store)
+    log = read_log(str(tmp_path))
+    assert len(log) == 40
+    first = np.mean([r["loss"] for r in log[:4]])
+    last = np.mean([r["loss"] for r in log[-4:]])
+    assert last < 0.7 * first, (first, last)
+    after = log[-1]["eval"]
+    assert after["sim_mal"] > before["sim_mal"] + 0.1, (before, after)
+    assert len(after["sim_per_position"]) == 3
+
+
+def test_resume_reproduces_the_next_steps_exactly(target, store, tmp_path):
+    o = OptimConfig(steps=10, batch_size=8, lr=1e-3, warmup_steps=2, checkpoint_every=4, eval_every=0)
+    fit(make_task(target, store), store, o, str(tmp_path / "full"))
+    fit(make_task(target, store), store, o, str(tmp_path / "cut"), stop_after=6)  # checkpoint at 4, steps 5-6 lost
+    assert [r["step"] for r in read_log(str(tmp_path / "cut"))] == list(range(1, 7))
+    fit(make_task(target, store), store, o, str(tmp_path / "cut"))  # resumes from step 4
+    full, cut = read_log(str(tmp_path / "full")), read_log(str(tmp_path / "cut"))
+    assert [r["step"] for r in cut] == list(range(1, 11))
+    assert [r["loss"] for r in cut] == [r["loss"] for r in full]
+
+
+def test_batch_order_is_a_pure_function_of_the_step():
+    a = [batch_indices(10, 4, 7, s).tolist() for s in range(5)]
+    assert a == [batch_indices(10, 4, 7, s).tolist() for s in range(5)]
+    seen = sorted(sum(a[:5], [])[:20])
+    assert seen == sorted(list(range(10)) * 2)  # two epochs cover every row twice
+
+
+SHARDED_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    sys.path.insert(0, {tests!r})
+    from test_train import sharp_target, make_task, LAYERS
+    from train.data import FeatureStore
+    from train.loop import OptimConfig, fit, read_log
+    assert len(jax.devices()) == 4
+    target = sharp_target()
+    store = FeatureStore({store!r})
+    o = OptimConfig(steps=4, batch_size=8, lr=1e-3, warmup_steps=1, checkpoint_every=4, eval_every=0)
+    fit(make_task(target, store), store, o, {out!r})
+    print(json.dumps([r["loss"] for r in read_log({out!r})]))
+""")
+
+
+def test_four_devices_match_one(target, store, tmp_path):
+    o = OptimConfig(steps=4, batch_size=8, lr=1e-3, warmup_steps=1, checkpoint_every=4, eval_every=0)
+    fit(make_task(target, store), store, o, str(tmp_path / "one"))
+    one = [r["loss"] for r in read_log(str(tmp_path / "one"))]
+    script = SHARDED_SCRIPT.format(tests=os.path.dirname(__file__), store=store.path, out=str(tmp_path / "four"))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    four = json.loads(out.stdout.strip().splitlines()[-1])
+    np.testing.assert_allclose(four, one, rtol=2e-5)
+
+
+def test_recipe_errors_name_the_key(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("drafter: eagle3\nout_dir: x\ndata: {}\nmodel: {}\n")
+    with pytest.raises(RecipeError, match="missing the key 'optim'"):
+        load_recipe(str(p))
+    p.write_text("drafter: eagle3\nout_dir: x\ndata: {sourc: regen}\nmodel: {}\noptim: {}\n")
+    with pytest.raises(RecipeError, match="unknown key data.sourc"):
+        load_recipe(str(p))
+    with pytest.raises(RecipeError, match="optim.steps must be int"):
+        load_recipe(str(p), ["data={}", "optim.steps=abc"])
+    r = load_recipe(str(p), ["data={}", "optim.steps=7", "model.ttt_steps=2"])
+    assert r.optim.steps == 7 and r.model == {"ttt_steps": 2}
+    with pytest.raises(RecipeError, match="recipe not found"):
+        load_recipe(str(tmp_path / "missing.yaml"))
+
+
+def test_cli_bad_recipe_is_one_line_exit_2(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("drafter: eagle3\nout_dir: x\ndata: {}\noptim: {}\n")
+    out = subprocess.run(specjax_cli_cmd() + ["train", "--config", str(p)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == ["specjax: error: the recipe is missing the key 'model'"]
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory, default_model):
+    """A tiny random HF checkpoint with the real tokenizer and room for ShareGPT prompts."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from helpers import hf_llama_config
+
+    d = str(tmp_path_factory.mktemp("tiny_target"))
+    torch.manual_seed(0)
+    cfg = hf_llama_config(vocab_size=default_model.config.vocab_size, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                          max_position_embeddings=512, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
+    default_model.tokenizer.save_pretrained(d)
+    return d
+
+
+def test_killed_training_resumes_on_the_same_curve(tiny_target_dir, tmp_path):
+    """SIGKILL a real `specjax train` mid-run, rerun the same command: the loss curve continues
+    exactly as in an uninterrupted run, and the drafter is exported."""
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(textwrap.dedent(f"""
+        drafter: eagle3
+        target: {tiny_target_dir}
+        out_dir: OUT
+        data: {{source: regen, num_prompts: 12, eval_prompts: 4, max_prompt_tokens: 64, max_new_tokens: 12,
+               seq_len: 80, gen_batch_size: 12, feature_batch_size: 4}}
+        model: {{draft_vocab_size: 256, target_layers: [0, 1, 3], ttt_steps: 2, eval_k: 2}}
+        optim: {{steps: 14, batch_size: 4, lr: 0.001, warmup_steps: 2, checkpoint_every: 3, eval_every: 7}}
+    """))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+
+    def cmd(out):
+        return specjax_cli_cmd() + ["train", "--config", str(recipe), f"out_dir={out}"]
+
+    ref = subprocess.run(cmd(tmp_path / "ref"), env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(cmd(run_dir), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    log = run_dir / "log.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if log.exists() and len(log.read_text().splitlines()) >= 8:  # past the checkpoint at step 6
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "training finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = len(log.read_text().splitlines())
+    assert 8 <= killed_at < 14
+    again = subprocess.run(cmd(run_dir), env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert again.returncode == 0, again.stderr[-2000:]
+    a, b = read_log(str(tmp_path / "ref")), read_log(str(run_dir))
+    assert [r["step"] for r in b] == list(range(1, 15))
+    assert [r["loss"] for r in b] == [r["loss"] for r in a]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert os.path.isfile(os.path.join(summary["exported"], "model.safetensors"))
+    assert summary["final_eval"]["sim_mal"] >= 1.0

@@ -1,0 +1,155 @@
+"""`specjax train DRAFTER --config RECIPE [key=value ...]`: data, features, training, export.
+
+Every stage is resumable, so rerunning the same command after a kill continues where it stopped:
+regenerated sequences are appended to `out_dir/data/*.jsonl` batch by batch, feature stores are
+reused when complete, and training resumes from the newest Orbax checkpoint. The trained drafter
+is exported (bf16 by default) to `out_dir/drafter`, loadable with `--drafter KIND:out_dir/drafter`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+
+from rich.console import Console
+
+from train.config import Recipe, RecipeError, load_recipe
+
+TASKS = ("eagle3",)
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path) as fh:
+        for line in fh:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a line cut by a kill: dropped, regenerated
+                break
+    return rows
+
+
+def sequences(target, recipe: Recipe, split: str, console: Console) -> list[tuple[list[int], int]]:
+    """Token sequences of one split, cached (and resumable) under out_dir/data."""
+    from train.data import conversations, dataset_sequences, regen_sequences
+
+    d = recipe.data
+    n = d.num_prompts if split == "train" else d.eval_prompts
+    offset = 0 if split == "train" else d.num_prompts  # eval conversations never overlap training
+    source = d.source if split == "train" else "regen"  # eval text is the target's own (exact simulator)
+    convs = conversations(n, d.seed, offset)
+    os.makedirs(os.path.join(recipe.out_dir, "data"), exist_ok=True)
+    path = os.path.join(recipe.out_dir, "data", f"{source}-{split}-{n}.jsonl")
+    done = _read_jsonl(path)
+    if done and done[-1].get("complete"):
+        return [(r["ids"], r["prompt_len"]) for r in done[:-1]]
+    if source == "dataset":
+        seqs = dataset_sequences(target, convs, d.max_prompt_tokens, d.seq_len)
+    else:
+        from specjax.generate import encode_prompt
+
+        pending = [c for c in convs if len(encode_prompt(target, c[:1])) <= d.max_prompt_tokens]
+        pending.sort(key=lambda c: len(encode_prompt(target, c[:1])))
+        seqs = [(r["ids"], r["prompt_len"]) for r in done]
+        with open(path, "w") as fh:  # rewrite the intact prefix (drops a cut last line)
+            fh.writelines(json.dumps({"ids": ids, "prompt_len": p}) + "\n" for ids, p in seqs)
+        t0, toks = time.perf_counter(), 0
+        for i in range(len(seqs), len(pending), d.gen_batch_size):
+            chunk = pending[i : i + d.gen_batch_size]
+            new = regen_sequences(target, chunk, d.max_prompt_tokens, d.max_new_tokens, d.gen_batch_size)
+            with open(path, "a") as fh:
+                fh.writelines(json.dumps({"ids": ids, "prompt_len": p}) + "\n" for ids, p in new)
+            seqs.extend(new)
+            toks += sum(len(ids) - p for ids, p in new)
+            console.print(f"regen {split}: {len(seqs)}/{len(pending)} replies, "
+                          f"{toks / (time.perf_counter() - t0):.0f} tok/s")
+    with open(path, "w") as fh:
+        fh.writelines(json.dumps({"ids": ids, "prompt_len": p}) + "\n" for ids, p in seqs)
+        fh.write(json.dumps({"complete": True}) + "\n")
+    return seqs
+
+
+def make_task(recipe: Recipe, target, counts):
+    if recipe.drafter == "eagle3":
+        from train.eagle3 import Eagle3Task
+
+        try:
+            return Eagle3Task(target, counts, **recipe.model)
+        except TypeError as e:
+            raise RecipeError(f"model section: {e}") from None
+    raise RecipeError(f"unknown drafter to train {recipe.drafter!r} (known: {', '.join(TASKS)})")
+
+
+def feature_layers(recipe: Recipe, target) -> tuple[int, ...]:
+    if recipe.drafter == "eagle3":
+        from specjax.drafters.eagle3 import Eagle3Config
+
+        layers = recipe.model.get("target_layers")
+        return Eagle3Config.for_target(target.config, target_layers=layers).target_layers
+    raise RecipeError(f"unknown drafter to train {recipe.drafter!r} (known: {', '.join(TASKS)})")
+
+
+def run(recipe: Recipe, console: Console | None = None, stop_after: int | None = None) -> dict:
+    """The whole pipeline; returns a summary (also written to out_dir/summary.json)."""
+    from specjax.models.loading import load_model
+    from train.data import extract_features
+    from train.loop import fit
+
+    console = console or Console(stderr=True)
+    if recipe.drafter not in TASKS:
+        raise RecipeError(f"unknown drafter to train {recipe.drafter!r} (known: {', '.join(TASKS)})")
+    target = load_model(recipe.target, dtype="float32")
+    layers = feature_layers(recipe, target)
+    summary: dict = {"recipe": recipe.to_dict(), "command": " ".join(shlex.quote(a) for a in sys.argv)}
+    stores = {}
+    for split in ("train", "eval"):
+        t0 = time.perf_counter()
+        seqs = sequences(target, recipe, split, console)
+        t1 = time.perf_counter()
+        store = extract_features(target, seqs, layers, os.path.join(recipe.out_dir, "features", split),
+                                 recipe.data.seq_len, recipe.data.feature_batch_size)
+        t2 = time.perf_counter()
+        tokens = len(store) * recipe.data.seq_len
+        summary[f"{split}_data"] = {"sequences": len(store), "response_tokens": store.num_tokens(),
+                                    "sequence_seconds": t1 - t0, "feature_seconds": t2 - t1,
+                                    "feature_tokens_per_second": tokens / max(store.meta["seconds"], 1e-9)}
+        console.print(f"{split}: {len(store)} sequences, {store.num_tokens()} response tokens, features "
+                      f"{summary[f'{split}_data']['feature_tokens_per_second']:.0f} tok/s")
+        stores[split] = store
+    task = make_task(recipe, target, stores["train"].counts)
+    params = fit(task, stores["train"], recipe.optim, recipe.out_dir, eval_store=stores["eval"], console=console,
+                 stop_after=stop_after)
+    from train.loop import read_log
+
+    log = read_log(recipe.out_dir)
+    summary["final_eval"] = task.evaluate(params, stores["eval"])
+    summary["train_tokens_per_second"] = log[-1]["tokens_per_second"] if log else None
+    summary["first_loss"], summary["last_loss"] = (log[0]["loss"], log[-1]["loss"]) if log else (None, None)
+    if log and log[-1]["step"] == recipe.optim.steps:
+        import jax.numpy as jnp
+
+        dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[recipe.export_dtype]
+        out = task.export(params, os.path.join(recipe.out_dir, "drafter"), dtype,
+                          {"trained_with": summary["command"], "final_eval": summary["final_eval"]})
+        summary["exported"] = out
+        console.print(f"exported the drafter to {out} (use --drafter {recipe.drafter}:{out})")
+    with open(os.path.join(recipe.out_dir, "summary.json"), "w") as fh:
+        json.dump(summary, fh, indent=1)
+    console.print(f"simulated MAL {summary['final_eval']['sim_mal']:.2f}, per position "
+                  f"{summary['final_eval']['sim_per_position']}")
+    return summary
+
+
+def main(a) -> int:
+    """Entry from `specjax train` (argparse namespace: args = [DRAFTER] KEY=VALUE..., config, stop_after)."""
+    overrides = list(a.args)
+    if overrides and "=" not in overrides[0]:
+        overrides[0] = f"drafter={overrides[0]}"
+    recipe = load_recipe(a.config, overrides)
+    run(recipe, stop_after=a.stop_after)
+    return 0

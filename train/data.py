@@ -1,0 +1,191 @@
+"""Training data for drafters: conversations -> token sequences -> target features on disk.
+
+Two sources of responses, both on ShareGPT prompts (HumanEval and MT-bench are benchmarks and
+never enter training):
+
+* `regen`: the target's own greedy replies, generated in batches by the specjax engine. This is
+  the text a drafter sees at inference, and for greedy data the simulator's teacher-forced
+  acceptance is exact.
+* `dataset`: the conversation's own first reply, labelled by the target's soft distribution.
+  Free to build (no generation), but off the target's distribution.
+
+Features are computed once by a target prefill over each padded sequence and stored as
+memory-mapped `.npy` files (bf16 stored as uint16), so training streams batches from disk instead
+of holding gigabytes in RAM or re-running the 30-layer target every epoch:
+
+    tokens [N, T] int32, mask [N, T] bool (response tokens), argmax [N, T] int32 (target's greedy
+    next token at each position), final [N, T, D] (final normed hidden), hidden [N, n, T, D]
+    (outputs of `layers`), counts [V] int64 (response-token frequencies, for the draft vocab).
+
+Cost: (n + 1) * D * 2 bytes per token, e.g. 4.6 KB per token for EAGLE-3 on SmolLM2-135M
+(n = 3, D = 576): 1.4 GB per 300k tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from specjax.datasets import sharegpt_split
+from specjax.engine import Engine
+from specjax.generate import encode_prompt
+from specjax.models.loading import Model
+from specjax.sampling import SamplingParams
+
+META = "meta.json"
+
+
+def conversations(num: int, seed: int = 0, offset: int = 0) -> list[list[dict]]:
+    """`num` ShareGPT training conversations (the bench sample excluded), shuffled by `seed`."""
+    _, train = sharegpt_split()
+    rng = random.Random(seed)
+    order = list(range(len(train)))
+    rng.shuffle(order)
+    return [train[i] for i in order[offset : offset + num]]
+
+
+def dataset_sequences(model: Model, convs, max_prompt: int, seq_len: int) -> list[tuple[list[int], int]]:
+    """(token ids, prompt length) from each conversation's first user turn + its own reply."""
+    tok = model.tokenizer
+    out = []
+    for conv in convs:
+        if len(conv) < 2 or conv[1]["role"] != "assistant":
+            continue
+        prompt = encode_prompt(model, conv[:1])
+        if len(prompt) > max_prompt:
+            continue
+        text = tok.apply_chat_template(conv[:2], tokenize=False)
+        ids = tok(text, add_special_tokens=False).input_ids[:seq_len]
+        if ids[: len(prompt)] == prompt and len(ids) > len(prompt) + 1:
+            out.append((ids, len(prompt)))
+    return out
+
+
+def regen_sequences(model: Model, convs, max_prompt: int, max_new: int, batch_size: int,
+                    on_batch=None) -> list[tuple[list[int], int]]:
+    """(token ids, prompt length) from each first user turn + the target's greedy reply."""
+    prompts = []
+    for conv in convs:
+        ids = encode_prompt(model, conv[:1])
+        if len(ids) <= max_prompt:
+            prompts.append(ids)
+    prompts.sort(key=len)  # similar lengths share a batch: less padding, fewer shape buckets
+    engine = Engine(model)
+    params = SamplingParams(max_new_tokens=max_new)
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        rows = engine.generate(chunk, [params] * len(chunk), eos_ids=model.config.eos_token_ids)
+        out.extend((p + r.token_ids, len(p)) for p, r in zip(chunk, rows))
+        if on_batch:
+            on_batch(len(chunk), sum(len(r.token_ids) for r in rows))
+    return out
+
+
+def _bf16_bits(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.bfloat16)).view(np.uint16)
+
+
+class FeatureStore:
+    """Memory-mapped features of one split (see the module docstring for the arrays)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(os.path.join(path, META)) as fh:
+            self.meta = json.load(fh)
+        if not self.meta.get("complete"):
+            raise RuntimeError(f"feature store {path} is incomplete; rerun the extraction")
+        self.arrays = {name: np.load(os.path.join(path, f"{name}.npy"), mmap_mode="r")
+                       for name in ("tokens", "mask", "argmax", "final", "hidden")}
+        self.counts = np.load(os.path.join(path, "counts.npy"))
+
+    def __len__(self) -> int:
+        return self.arrays["tokens"].shape[0]
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(self.meta["layers"])
+
+    def batch(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows `idx` as numpy arrays; bf16 features come back as float32."""
+        idx = np.sort(np.asarray(idx))  # sequential reads from the memmap
+        out = {name: np.asarray(a[idx]) for name, a in self.arrays.items()}
+        for name in ("final", "hidden"):
+            out[name] = out[name].view(ml_dtypes.bfloat16).astype(np.float32)
+        out["hidden"] = out["hidden"].transpose(1, 0, 2, 3)  # [n, B, T, D]
+        return out
+
+    def num_tokens(self) -> int:
+        return int(np.asarray(self.arrays["mask"]).sum())
+
+
+def extract_features(model: Model, seqs: list[tuple[list[int], int]], layers: tuple[int, ...], out_dir: str,
+                     seq_len: int, batch_size: int = 8, on_batch=None) -> FeatureStore:
+    """Run the target over every sequence (right-padded to `seq_len`) and write the store.
+
+    Reuses a complete store with the same sequences and layers instead of recomputing it.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    meta_path = os.path.join(out_dir, META)
+    digest = _digest(seqs, layers, seq_len, model.name)
+    if os.path.exists(meta_path):
+        with open(meta_path) as fh:
+            old = json.load(fh)
+        if old.get("complete") and old.get("digest") == digest:
+            return FeatureStore(out_dir)
+    n, d, v = len(seqs), model.config.hidden_size, model.config.vocab_size
+    mm = lambda name, shape, dtype: np.lib.format.open_memmap(  # noqa: E731
+        os.path.join(out_dir, f"{name}.npy"), mode="w+", dtype=dtype, shape=shape)
+    tokens, mask = mm("tokens", (n, seq_len), np.int32), mm("mask", (n, seq_len), np.bool_)
+    argmax = mm("argmax", (n, seq_len), np.int32)
+    final = mm("final", (n, seq_len, d), np.uint16)
+    hidden = mm("hidden", (n, len(layers), seq_len, d), np.uint16)
+    counts = np.zeros(v, np.int64)
+    for i, (ids, plen) in enumerate(seqs):
+        ids = ids[:seq_len]
+        tokens[i, : len(ids)] = ids
+        mask[i, plen : len(ids)] = True
+        np.add.at(counts, np.asarray(ids[plen:], np.int64), 1)
+
+    @jax.jit
+    def run(params, toks):
+        m = nnx.merge(model.graphdef, params)
+        h, _, coll = m.hidden(toks, m.new_cache(toks.shape[0], seq_len), collect=layers)
+        return h, coll, jnp.argmax(m.logits(h), axis=-1).astype(jnp.int32)
+
+    t0 = time.perf_counter()
+    for s in range(0, n, batch_size):
+        e = min(s + batch_size, n)
+        toks = np.zeros((batch_size, seq_len), np.int32)
+        toks[: e - s] = tokens[s:e]
+        h, coll, am = run(model.params, jnp.asarray(toks))
+        final[s:e] = _bf16_bits(h[: e - s])
+        hidden[s:e] = _bf16_bits(jnp.transpose(coll, (1, 0, 2, 3))[: e - s])
+        argmax[s:e] = np.asarray(am[: e - s])
+        if on_batch:
+            on_batch(e - s, int(mask[s:e].sum()))
+    for a in (tokens, mask, argmax, final, hidden):
+        a.flush()
+    np.save(os.path.join(out_dir, "counts.npy"), counts)
+    with open(meta_path, "w") as fh:
+        json.dump({"complete": True, "digest": digest, "layers": list(layers), "seq_len": seq_len,
+                   "num_sequences": n, "response_tokens": int(np.asarray(mask).sum()),
+                   "seconds": time.perf_counter() - t0, "target": model.name}, fh)
+    return FeatureStore(out_dir)
+
+
+def _digest(seqs, layers, seq_len, name) -> str:
+    import hashlib
+
+    h = hashlib.sha256(json.dumps([list(layers), seq_len, name]).encode())
+    for ids, plen in seqs:
+        h.update(np.asarray(ids + [-1, plen], np.int64).tobytes())
+    return h.hexdigest()[:24]
