@@ -143,7 +143,7 @@ def measure_decode(shape: str, model, weights: str, p: Preset, bandwidth: float,
     decode_s = statistics.median(engine.generate([prompt], params)[0].decode_seconds for _ in range(p.repeats))
     tps = (p.decode_tokens - 1) / decode_s  # the first token comes from the prefill
     wbytes = model.weight_bytes()
-    log(f"{model.name}: decode {tps:.1f} tok/s at batch 1 ({100 * wbytes * tps / (bandwidth * 1e9):.0f}% of roofline)")
+    log(f"{model.name}: plain decode {tps:.1f} tok/s at batch 1")
     return {
         "name": model.name, "shape": shape, "weights": weights, "dtype": str(model.dtype),
         "params": cfg.num_params(), "weight_bytes": wbytes, "prompt_len": p.prompt_len,

@@ -236,11 +236,19 @@ def run_peer(peer, configs: list[PeerConfig], suite_ids: dict[str, list[list[int
             torch.set_num_threads(old_threads)
 
 
-def run_peers(peers: list, suite_ids, temperatures, max_new_tokens, repeats, console) -> list[dict]:
-    """peers: `prepare_peers`'s list. Returns every peer's rows, speedups included."""
+def run_peers(peers: list, suite_ids, temperatures, max_new_tokens, repeats, console,
+              skipped: dict[str, str] | None = None) -> list[dict]:
+    """peers: `prepare_peers`'s list. Returns every peer's rows, speedups included. An optional
+    peer (llamacpp) that fails mid-run is recorded in `skipped`, its rows dropped."""
     from specjax.bench.report import add_speedups
 
     rows = []
     for peer, configs in peers:
-        rows += run_peer(peer, configs, suite_ids, temperatures, max_new_tokens, repeats, console)
+        try:
+            rows += run_peer(peer, configs, suite_ids, temperatures, max_new_tokens, repeats, console)
+        except Exception as e:
+            if peer.name == "hf" or skipped is None:
+                raise
+            skipped[peer.name] = f"failed while running: {type(e).__name__}: {e}"
+            console.log(f"peer {peer.name}: skipped ({skipped[peer.name]})")
     return add_speedups(rows)

@@ -307,7 +307,7 @@ def bench_suites(model, suites: dict[str, list], drafters: list[str], num_drafts
     t_start = time.time()
     rows = run_speculative_bench(model, suite_ids, configs, batch_sizes, temperatures, max_new_tokens, repeats,
                                  console)
-    peer_rows = peers_mod.run_peers(peer_objs, suite_ids, temperatures, max_new_tokens, repeats, console)
+    peer_rows = peers_mod.run_peers(peer_objs, suite_ids, temperatures, max_new_tokens, repeats, console, skipped)
     report = {
         "kind": "speculative",
         "model": model.name, "model_source": model.source, "dtype": str(model.dtype),
