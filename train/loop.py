@@ -72,6 +72,21 @@ def batch_indices(num_rows: int, batch_size: int, seed: int, step: int) -> np.nd
     return np.asarray(out)
 
 
+def trim_padding(batch: dict, batch_axes: dict, multiple: int = 64) -> dict:
+    """Cut the sequence axis (the one after each array's batch axis) to the batch's longest
+    response, rounded up to `multiple` so that only a few shapes compile. Sequences are stored
+    right-padded to a fixed length; most batches need far less, and the loss never reads past
+    the last response token."""
+    mask = batch["mask"]  # [B, T]
+    last = int(np.max(np.nonzero(mask.any(axis=0))[0], initial=0)) + 2  # + the label position
+    t = min(mask.shape[1], -(-last // multiple) * multiple)
+    out = {}
+    for k, v in batch.items():
+        ax = batch_axes.get(k, 0) + 1
+        out[k] = v[(slice(None),) * ax + (slice(0, t),)] if v.ndim > ax else v
+    return out
+
+
 def data_mesh() -> Mesh:
     return Mesh(np.asarray(jax.devices()), ("data",))
 
@@ -124,7 +139,7 @@ def fit(task, store, o: OptimConfig, out_dir: str, eval_store=None, console=None
     shardings = {name: NamedSharding(mesh, P(*([None] * axis + ["data"]))) for name, axis in task.batch_axes.items()}
 
     def device_batch(step):
-        b = store.batch(batch_indices(len(store), o.batch_size, o.seed, step))
+        b = trim_padding(store.batch(batch_indices(len(store), o.batch_size, o.seed, step)), task.batch_axes)
         return {k: jax.device_put(v, shardings[k]) for k, v in b.items() if k in shardings}
 
     end = o.steps if stop_after is None else min(o.steps, start + stop_after)
