@@ -18,7 +18,7 @@ from rich.console import Console
 
 from train.config import Recipe, RecipeError, load_recipe
 
-TASKS = ("eagle3",)
+TASKS = ("eagle3", "mtp", "draft")
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -78,14 +78,28 @@ def make_task(recipe: Recipe, target, counts):
     if recipe.drafter == "eagle3":
         from train.eagle3 import Eagle3Task
 
-        try:
-            return Eagle3Task(target, counts, **recipe.model)
-        except TypeError as e:
-            raise RecipeError(f"model section: {e}") from None
-    raise RecipeError(f"unknown drafter to train {recipe.drafter!r} (known: {', '.join(TASKS)})")
+        build = lambda: Eagle3Task(target, counts, **recipe.model)
+    elif recipe.drafter == "mtp":
+        from train.mtp import MTPTask
+
+        build = lambda: MTPTask(target, **recipe.model)
+    elif recipe.drafter == "draft":
+        from train.draft_model import DraftDistillTask
+
+        build = lambda: DraftDistillTask(target, **recipe.model)
+    else:
+        raise RecipeError(f"unknown drafter to train {recipe.drafter!r} (known: {', '.join(TASKS)})")
+    try:
+        return build()
+    except (TypeError, ValueError) as e:
+        raise RecipeError(f"model section: {e}") from None
 
 
 def feature_layers(recipe: Recipe, target) -> tuple[int, ...]:
+    """Target layers whose hidden states the store keeps (MTP and the draft model read only the
+    final hidden state, which every store has)."""
+    if recipe.drafter in ("mtp", "draft"):
+        return ()
     if recipe.drafter == "eagle3":
         from specjax.drafters.eagle3 import Eagle3Config
 

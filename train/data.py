@@ -168,7 +168,8 @@ def extract_features(model: Model, seqs: list[tuple[list[int], int]], layers: tu
         toks[: e - s] = tokens[s:e]
         h, coll, am = run(model.params, jnp.asarray(toks))
         final[s:e] = _bf16_bits(h[: e - s])
-        hidden[s:e] = _bf16_bits(jnp.transpose(coll, (1, 0, 2, 3))[: e - s])
+        if layers:  # drafters that read only the final hidden (MTP, draft model) store none
+            hidden[s:e] = _bf16_bits(jnp.transpose(coll, (1, 0, 2, 3))[: e - s])
         argmax[s:e] = np.asarray(am[: e - s])
         if on_batch:
             on_batch(e - s, int(mask[s:e].sum()))

@@ -26,14 +26,9 @@ import jax.numpy as jnp
 
 from specjax.drafters.eagle3 import Eagle3
 from specjax.models.llama import linear, rope_tables
-
-
-def _shift(x: jax.Array, by: int) -> jax.Array:
-    """x `[B, T, ...]` -> y with y[:, t] = x[:, t - by] (zeros for t < by)."""
-    if by == 0:
-        return x
-    pad = [(0, 0), (by, 0)] + [(0, 0)] * (x.ndim - 2)
-    return jnp.pad(x, pad)[:, : x.shape[1]]
+from train.common import shift_left as _shift_left
+from train.common import shift_right as _shift
+from train.common import simulate_store
 
 
 def ttt_logits(net: Eagle3, emb: jax.Array, feats: jax.Array, steps: int) -> list[jax.Array]:
@@ -105,11 +100,6 @@ def ttt_loss(net: Eagle3, batch: dict, head: jax.Array, d2t: jax.Array, embed: j
     return total / weight, metrics
 
 
-def _shift_left(x: jax.Array) -> jax.Array:
-    """y[:, t] = x[:, t + 1] (the last position repeats; callers mask it)."""
-    return jnp.concatenate([x[:, 1:], x[:, -1:]], axis=1)
-
-
 def simulate_acceptance(net: Eagle3, batch: dict, d2t: jax.Array, embed: jax.Array, k: int):
     """Greedy chain acceptance of K drafts from every start position, without generation.
 
@@ -150,12 +140,19 @@ class Eagle3Task:
         self.ttt_steps, self.decay, self.eval_k = ttt_steps, decay, eval_k
         m = target.module()
         self.embed, self.head = m.embed[...], m.head_weight()  # frozen target tables
+        self.final_norm = m.norm.scale[...]
         self.graphdef = None
 
     def init_params(self, seed: int):
         from flax import nnx
 
-        self.graphdef, params = nnx.split(Eagle3(self.cfg, rngs=nnx.Rngs(seed)))
+        net = Eagle3(self.cfg, rngs=nnx.Rngs(seed))
+        # Start from the target's output space: the draft head is the target's LM head restricted
+        # to the draft vocabulary, the final norm the target's. Only the mapping from features
+        # to the next-next token's hidden state is learned from scratch.
+        net.head[...] = jnp.take(self.head, self.d2t, axis=0).astype(net.head[...].dtype)
+        net.norm.scale[...] = jnp.array(self.final_norm, net.norm.scale[...].dtype, copy=True)  # own buffer: donated
+        self.graphdef, params = nnx.split(net)
         return params
 
     def net(self, params) -> Eagle3:
@@ -173,35 +170,13 @@ class Eagle3Task:
 
     def evaluate(self, params, store, max_rows: int = 64, batch_size: int = 8) -> dict:
         """Simulated greedy MAL and per-position acceptance (K = eval_k) on held-out rows."""
-        import numpy as np
-
         k = self.eval_k
         if not hasattr(self, "_sim"):
             self._sim = jax.jit(lambda p, f, b: simulate_acceptance(self.net(p), b, f["d2t"], f["embed"], k))
-        hist = np.zeros(k + 1, np.int64)  # starts with exactly a accepted drafts
-        for s in range(0, min(len(store), max_rows), batch_size):
-            b = store.batch(np.arange(s, min(s + batch_size, len(store), max_rows)))
-            b = {n: jnp.asarray(b[n]) for n in ("tokens", "mask", "argmax", "hidden")}
-            count, starts = self._sim(params, self.frozen(), b)
-            count, starts = np.asarray(count), np.asarray(starts)
-            hist += np.bincount(count[starts], minlength=k + 1)
-        return acceptance_summary(hist)
+        return simulate_store(self._sim, params, self.frozen(), store, ("tokens", "mask", "argmax", "hidden"), k,
+                              max_rows, batch_size)
 
     def export(self, params, out_dir: str, dtype=None, metadata=None) -> str:
         from specjax.drafters.eagle3 import Eagle3Weights, save
 
         return save(Eagle3Weights(self.cfg, self.graphdef, params, self.d2t), out_dir, dtype, metadata)
-
-
-def acceptance_summary(hist) -> dict:
-    """From counts of starts with exactly a = 0..K accepted drafts: simulated MAL (accepted + 1)
-    and per-position acceptance P(draft i accepted | drafts < i accepted)."""
-    import numpy as np
-
-    hist = np.asarray(hist, np.float64)
-    total = max(hist.sum(), 1.0)
-    k = len(hist) - 1
-    reach = [hist[i:].sum() for i in range(k + 1)]  # starts with >= i accepted
-    per_pos = [float(reach[i + 1] / reach[i]) if reach[i] else 0.0 for i in range(k)]
-    return {"sim_mal": float((hist * np.arange(k + 1)).sum() / total + 1.0),
-            "sim_per_position": [round(p, 4) for p in per_pos], "sim_starts": int(total)}

@@ -1,8 +1,9 @@
 """Drafters: one proposer per method behind the protocol in `base.py`.
 
 `make_drafter(spec, num_draft, target)` turns a CLI/API drafter spec into a drafter:
-`none` | `ngram` | `draft:PATH` | `eagle3[:PATH]`. A bare learned-drafter name means the one
-shipped for the default model (`shipped/<name>-smollm2-135m/`, see `shipped_path`).
+`none` | `ngram` | `draft[:PATH]` | `mtp[:PATH]` | `eagle3[:PATH]`. A bare learned-drafter name
+means the one shipped for the default model (`shipped/<name>-smollm2-135m/`, see
+`shipped_path`). MTP drafts at most one token per trained module; its K defaults to that count.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from specjax.errors import DrafterError
 import os
 
 DEFAULT_NUM_DRAFT = {"ngram": 5, "draft": 5, "eagle3": 5}
-KNOWN = ("none", "ngram", "draft:PATH", "eagle3[:PATH]")
+KNOWN = ("none", "ngram", "draft[:PATH]", "mtp[:PATH]", "eagle3[:PATH]")
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "shipped")
 SHIPPED_FOR = "smollm2-135m"
 
@@ -41,19 +42,26 @@ def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = N
         if num_draft:
             raise DrafterError("num_draft > 0 needs a drafter (--drafter ngram | draft:PATH)")
         return NoDrafter()
+    if kind == "mtp":
+        from specjax.drafters import mtp
+
+        weights = mtp.load(arg or _shipped_or_error("mtp"), dtype=target.dtype)
+        return mtp.MTPDrafter(num_draft or weights.config.num_modules, weights, target)
     k = num_draft or DEFAULT_NUM_DRAFT.get(kind, 5)
     if kind == "ngram":
         from specjax.drafters.ngram import NgramDrafter
 
         return NgramDrafter(k)
     if kind == "draft":
-        if not arg:
-            raise DrafterError("the draft drafter needs a model path: --drafter draft:PATH")
-        from specjax.drafters.draft_model import DraftModelDrafter
+        from specjax.drafters import draft_model
         from specjax.models.loading import load_model
 
-        draft = (load or load_model)(arg, dtype or str(target.dtype))
-        return DraftModelDrafter(k, draft, target.config)
+        path = arg or _shipped_or_error("draft")
+        if draft_model.borrows_target_tables(path):  # distilled: the target's embedding and head
+            draft = draft_model.load_with_target_tables(path, target, dtype or str(target.dtype))
+        else:
+            draft = (load or load_model)(path, dtype or str(target.dtype))
+        return draft_model.DraftModelDrafter(k, draft, target.config)
     if kind == "eagle3":
         from specjax.drafters import eagle3
 

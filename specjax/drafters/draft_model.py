@@ -6,18 +6,120 @@ newest history tokens (positions hist_len - 2 and hist_len - 1). Rewriting posit
 is harmless when it is already there, and fills it in when all K drafts were accepted (the K-th
 draft is never fed to the draft model while drafting). Rolling back after rejections is thereby
 just setting the length: static shapes, no branches.
+
+Checkpoints: any model `load_model` reads (GGUF, HF directory), or a *distilled* draft model
+(train/draft_model.py) that borrows its target's embedding and LM head. Those tables are most of
+a small model's bytes (49152 x 576 for SmolLM2: 56 MB in bf16, against 21 MB for three layers),
+so such a checkpoint is an HF directory without them whose `config.json` carries
+`"specjax_draft": {"tables_from_target": true, "target_hidden_size", "target_vocab_size",
+"target_num_layers"}`; `load_with_target_tables` fills them in from the target (the same arrays,
+no copy) after checking that the target is the one it was trained for.
 """
 
 from __future__ import annotations
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext
-from specjax.errors import DrafterError
+from specjax.errors import DrafterError, ModelLoadError
 from specjax.models.loading import Model
 from specjax.sampling import sample, target_probs
+
+TABLES_KEY = "specjax_draft"
+TARGET_FIELDS = ("target_hidden_size", "target_vocab_size", "target_num_layers")
+
+
+def _read_json(path: str):
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def borrows_target_tables(path: str) -> bool:
+    """Whether `path` is a distilled draft-model directory without its own embedding/head."""
+    cfg = os.path.join(str(path), "config.json")
+    if not os.path.isfile(cfg):
+        return False
+    try:
+        raw = _read_json(cfg)
+    except (OSError, ValueError):
+        return False  # the ordinary loader reports it
+    return isinstance(raw, dict) and isinstance(raw.get(TABLES_KEY), dict) and bool(
+        raw[TABLES_KEY].get("tables_from_target"))
+
+
+def save_with_target_tables(model_params: dict, cfg, target_cfg, out_dir: str, dtype=None,
+                            metadata: dict | None = None) -> str:
+    """Write a draft model's layers and final norm (pure params dict; no embedding or head) as an
+    HF directory marked as borrowing the target's tables."""
+    from specjax.models.loading.mapping import params_to_hf
+    from specjax.models.loading.safetensors_io import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = params_to_hf(cfg, model_params, tables=False)
+    if dtype is not None:
+        tensors = {k: np.asarray(jnp.asarray(v, dtype)) for k, v in tensors.items()}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
+    info = {"tables_from_target": True, "target_hidden_size": target_cfg.hidden_size,
+            "target_vocab_size": target_cfg.vocab_size, "target_num_layers": target_cfg.num_layers}
+    with open(os.path.join(out_dir, "config.json"), "w") as fh:
+        json.dump({**cfg.to_hf(), TABLES_KEY: info, **(metadata or {})}, fh, indent=2)
+    return out_dir
+
+
+def load_with_target_tables(path: str, target: Model, dtype: str | None = None) -> Model:
+    """A distilled draft model with the target's embedding and LM head; one-line DrafterErrors."""
+    from specjax.models.config import LlamaConfig
+    from specjax.models.llama import Llama
+    from specjax.models.loading import hf as hf_loader
+    from specjax.models.loading.mapping import params_from_hf
+
+    cfg_path, source = os.path.join(path, "config.json"), f"draft model {path}"
+    try:
+        raw = _read_json(cfg_path)
+        info = raw[TABLES_KEY]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DrafterError(f"{cfg_path}: not a distilled draft-model config ({e})") from None
+    for key in TARGET_FIELDS:
+        if key not in info:
+            raise DrafterError(f"{cfg_path}: missing key '{TABLES_KEY}.{key}'")
+    try:
+        cfg = LlamaConfig.from_hf(raw)
+    except ModelLoadError as e:
+        raise DrafterError(f"{cfg_path}: {e}") from None
+    tc = target.config
+    for what, mine, theirs in [("hidden size", info["target_hidden_size"], tc.hidden_size),
+                               ("vocab size", info["target_vocab_size"], tc.vocab_size),
+                               ("layer count", info["target_num_layers"], tc.num_layers)]:
+        if mine != theirs:
+            raise DrafterError(f"{source} was trained for a target with {what} {mine}, but this target has {theirs}")
+    if (cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings) != (tc.hidden_size, tc.vocab_size,
+                                                                       tc.tie_word_embeddings):
+        raise DrafterError(f"{source} cannot use this target's embedding and head: hidden size, vocab size or "
+                           f"head tying ({cfg.hidden_size}, {cfg.vocab_size}, {cfg.tie_word_embeddings}) differ "
+                           f"from the target's ({tc.hidden_size}, {tc.vocab_size}, {tc.tie_word_embeddings})")
+    tables = {"model.embed_tokens.weight", "lm_head.weight"}
+    try:
+        get = hf_loader.open_tensors(path)
+        # zero-stride placeholders pass the shape check; the target's arrays replace them below
+        fetch = lambda name: (np.broadcast_to(np.float32(0), (cfg.vocab_size, cfg.hidden_size))
+                              if name in tables else get(name))
+        pure = params_from_hf(cfg, fetch, np.float32)
+    except ModelLoadError as e:
+        raise DrafterError(f"{source}: {str(e).splitlines()[0]}") from None
+    dt = jnp.dtype(dtype or target.dtype)
+    t = target.module()
+    pure["embed"] = t.embed[...]
+    if not cfg.tie_word_embeddings:
+        pure["lm_head"] = t.lm_head[...]
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=dt)))
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, dt), pure))  # tables: no copy
+    return Model(cfg, graphdef, state, target.tokenizer, os.path.basename(os.path.normpath(path)), path)
 
 
 class DraftModelDrafter(Drafter):
@@ -69,4 +171,13 @@ class DraftModelDrafter(Drafter):
         return Proposal(draft, q), cache
 
     def commit(self, dparams, cache, ctx: CommitContext):
+        if ctx.tokens.shape[1] == 1:
+            # A plain step (K = 0: the serving scheduler switches K between chunks). Drafting did
+            # not feed this step's tokens, so write position hist_len - 3 (new) to keep the
+            # discipline above; a row that did not advance rewrites the same token in place.
+            m = nnx.merge(self.model.graphdef, dparams)
+            pos = jnp.maximum(ctx.hist_len - 3, 0)  # [B]
+            tok = jnp.take_along_axis(ctx.history, pos[:, None], axis=1)  # [B, 1]
+            _, cache, _ = m.hidden(tok, cache.with_lengths(pos))
+            return cache.with_lengths(jnp.maximum(ctx.hist_len - 2, 0))
         return cache.with_lengths(ctx.hist_len - 2)

@@ -69,15 +69,17 @@ def params_from_hf(
     return params
 
 
-def params_to_hf(cfg: LlamaConfig, params: dict) -> dict[str, np.ndarray]:
+def params_to_hf(cfg: LlamaConfig, params: dict, tables: bool = True) -> dict[str, np.ndarray]:
     """Inverse of :func:`params_from_hf`: HF-named numpy tensors.
 
     Layer keys may be ints (`nnx.to_pure_dict`) or strings (params read back from a flat file).
+    `tables=False` leaves out the embedding and LM head (a draft model that borrows its target's).
     """
     f, h = cfg.intermediate_size, cfg.head_dim
     n, kv = cfg.num_heads, cfg.num_kv_heads
     layers = {int(i): lay for i, lay in params["layers"].items()}
-    out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["norm"]["scale"]}
+    out = {"model.embed_tokens.weight": params["embed"]} if tables else {}
+    out["model.norm.weight"] = params["norm"]["scale"]
     for i in range(cfg.num_layers):
         p, lay = LAYER.format(i=i), layers[i]
         qkv = lay["attn"]["qkv"]
@@ -90,6 +92,6 @@ def params_to_hf(cfg: LlamaConfig, params: dict) -> dict[str, np.ndarray]:
         out[p + "mlp.down_proj.weight"] = lay["mlp"]["down"]
         out[p + "input_layernorm.weight"] = lay["attn_norm"]["scale"]
         out[p + "post_attention_layernorm.weight"] = lay["mlp_norm"]["scale"]
-    if not cfg.tie_word_embeddings:
+    if tables and not cfg.tie_word_embeddings:
         out["lm_head.weight"] = params["lm_head"]
     return {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in out.items()}

@@ -1,0 +1,292 @@
+"""Native multi-token-prediction (MTP) heads, DeepSeek-V3 style (DeepSeek-AI 2024, §2.2).
+
+Network. N = `num_modules` sequential modules on a frozen target. Module k (1-based) at position
+i reads the previous hidden h^{k-1}_i (h^0_i: the target's final normed hidden at i; module
+k - 1's output otherwise) and the embedding of the token x_{i+k} (the target's table, frozen):
+
+    u     = proj [RMSNorm_e(embed(x_{i+k})) ; RMSNorm_h(h^{k-1}_i)]     [2D] -> [D]
+    h^k_i = Block_k(u)                    one Llama decoder layer, causal attention over i
+    logit = head(RMSNorm_k(h^k_i))        the target's LM head (frozen); predicts x_{i+k+1}
+
+Drafting. After a step the accepted prefix is x_0..x_m (m = hist_len - 1); the target has final
+hidden states for positions <= m - 1. All K <= N drafts are read at the single position m - 1:
+draft k is module k there, reading x_{m-1+k} (x_m for k = 1, draft k - 1 after that) and
+predicting x_{m+k}. One target forward gives K drafts.
+
+Cache discipline. Module k's key/value at position j depends on h^0_j and x_{j+1}..x_{j+k}
+(through modules 1..k at j), so it is *true* (what teacher-forced training computes) only when
+x_{j+k} is committed: j <= m - k. With the window W = max(K - 1, 1):
+
+* each module keeps a one-layer cache holding positions j < c = max(m - W, 0), all true
+  (j + k <= m for k <= K);
+* `propose` recomputes the window c .. c + W - 1 (= m - W .. m - 1: every position whose inputs
+  involve drafts, and the read position m - 1) for modules 1..K in turn, module k reading the
+  tokens e[j + k] of e = x_0..x_m, d_1..d_{k-1}. Window entries are scratch (lengths stay c);
+* `commit` stores the verify pass's final hidden states (positions old_m .. old_m + K) in `fin`,
+  reruns modules 1..K over positions c .. c + K with committed tokens only, and sets the length
+  to c' = max(new_m - W, 0) <= c + K + 1. Entries past c' are rolled back by not advancing, as
+  in the target's cache.
+
+So module k at m - 1 attends to true entries below c and to window entries computed from
+d_1..d_{k-1}; when those drafts were accepted (equal to the true tokens) this is exactly the
+teacher-forced training forward of train/mtp.py, which is what the acceptance of draft k needs
+(tests/test_mtp.py checks it step by step, with rejections).
+
+State: `cache` K layers (module k in layer k - 1, keys [B*KV, S, H], values [B*KV, H, S]) with
+lengths c [B]; `fin [B, L, D]` the target's final hidden at positions c .. c + L - 1 with
+L = W + K + 1 (valid below m); `m [B]`. Cost per step: K modules over W positions to propose
+and over K + 1 positions to commit, plus K LM-head products.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from specjax.drafters import checkpoint
+from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext
+from specjax.errors import DrafterError
+from specjax.models.config import LlamaConfig
+from specjax.models.kv_cache import KVCache
+from specjax.models.llama import DecoderLayer, RMSNorm, linear, rope_tables
+from specjax.sampling import sample, target_probs
+
+KIND = "mtp"
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+    hidden_size: int  # D (the target's)
+    intermediate_size: int  # F of each module's block
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    target_vocab_size: int  # V
+    target_num_layers: int  # L of the target it was trained for
+    num_modules: int  # N, the most drafts per step
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[float, float, float, int] | None = None
+    rms_norm_eps: float = 1e-5
+
+    @classmethod
+    def for_target(cls, target: LlamaConfig, num_modules: int = 3, intermediate_size: int | None = None):
+        if num_modules < 1:
+            raise ValueError(f"num_modules must be >= 1, got {num_modules}")
+        return cls(
+            hidden_size=target.hidden_size, intermediate_size=intermediate_size or target.intermediate_size,
+            num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+            target_vocab_size=target.vocab_size, target_num_layers=target.num_layers, num_modules=num_modules,
+            rope_theta=target.rope_theta, rope_scaling=target.rope_scaling, rms_norm_eps=target.rms_norm_eps,
+        )
+
+    def layer_config(self) -> LlamaConfig:
+        """One module's block, described as a one-layer Llama (attention, MLP, rope)."""
+        return LlamaConfig(
+            vocab_size=self.target_vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling, rms_norm_eps=self.rms_norm_eps,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"drafter": KIND, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> MTPConfig:
+        kw = checkpoint.config_fields(cls, d, source, "MTP")
+        if kw.get("rope_scaling") is not None:
+            kw["rope_scaling"] = tuple(kw["rope_scaling"])
+        if not isinstance(kw["num_modules"], int) or kw["num_modules"] < 1:
+            raise DrafterError(f"{source}: num_modules must be a positive integer, got {kw['num_modules']!r}")
+        return cls(**kw)
+
+    def check_target(self, target: LlamaConfig, source: str = "MTP drafter") -> None:
+        checkpoint.check_target([("hidden size", self.hidden_size, target.hidden_size),
+                                 ("vocab size", self.target_vocab_size, target.vocab_size),
+                                 ("layer count", self.target_num_layers, target.num_layers)], source)
+
+
+class MTPModule(nnx.Module):
+    """One depth: input norms, the [2D] -> [D] projection, a decoder block, its output norm."""
+
+    def __init__(self, cfg: MTPConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm = RMSNorm(d, eps, dtype=dtype)
+        self.hnorm = RMSNorm(d, eps, dtype=dtype)
+        self.proj = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (d, 2 * d), dtype))  # [D, 2D]
+        self.block = DecoderLayer(cfg.layer_config(), rngs=rngs, dtype=dtype)
+        self.norm = RMSNorm(d, eps, dtype=dtype)
+
+    def __call__(self, emb, h_prev, cos, sin, k_cache, v_cache, starts):
+        """emb, h_prev `[B, T, D]` at positions starts + t -> h `[B, T, D]` and both caches."""
+        u = jnp.concatenate([self.enorm(emb), self.hnorm(h_prev)], axis=-1)  # [B, T, 2D]
+        return self.block(linear(self.proj[...], u), cos, sin, k_cache, v_cache, starts)
+
+
+class MTP(nnx.Module):
+    """The N modules. Embedding and LM head are the target's and are passed in, never owned."""
+
+    def __init__(self, cfg: MTPConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        self.heads = nnx.List([MTPModule(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_modules)])
+
+    def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """cos, sin `[B, T, H]` for positions `[B, T]`."""
+        return rope_tables(self.cfg.layer_config(), positions)
+
+    def run(self, k: int, emb, h_prev, cache: KVCache, cos, sin) -> tuple[jax.Array, KVCache]:
+        """Module k (1-based) over T positions at `cache.lengths`, writing cache layer k - 1
+        (lengths unchanged). emb, h_prev `[B, T, D]` -> h^k `[B, T, D]`."""
+        h, kc, vc = self.heads[k - 1](emb.astype(self.dtype), h_prev.astype(self.dtype), cos, sin,
+                                      cache.k[k - 1], cache.v[k - 1], cache.lengths)
+        ks, vs = list(cache.k), list(cache.v)
+        ks[k - 1], vs[k - 1] = kc, vc
+        return h, cache.replace(k=tuple(ks), v=tuple(vs))
+
+    def logits(self, k: int, h: jax.Array, head: jax.Array) -> jax.Array:
+        """Module k's output `[..., D]` -> f32 target-vocab logits `[..., V]` (head `[V, D]`)."""
+        return linear(head, self.heads[k - 1].norm(h)).astype(jnp.float32)
+
+    @property
+    def dtype(self):
+        return self.heads[0].proj[...].dtype
+
+    def new_cache(self, num_modules: int, batch: int, size: int) -> KVCache:
+        c = self.cfg
+        return KVCache.create(num_modules, batch, size, c.num_kv_heads, c.head_dim, self.dtype)
+
+
+@dataclasses.dataclass
+class MTPWeights:
+    config: MTPConfig
+    graphdef: Any
+    params: Any  # nnx.State
+    source: str = ""
+
+    def module(self) -> MTP:
+        return nnx.merge(self.graphdef, self.params)
+
+
+def init_weights(cfg: MTPConfig, seed: int = 0, dtype=jnp.float32) -> MTPWeights:
+    graphdef, params = nnx.split(MTP(cfg, rngs=nnx.Rngs(seed), dtype=dtype))
+    return MTPWeights(cfg, graphdef, params, "random")
+
+
+def save(w: MTPWeights, out_dir: str, dtype=None, metadata: dict | None = None) -> str:
+    """Write `config.json` + `model.safetensors` (the modules only: no embedding, no head)."""
+    return checkpoint.save(out_dir, w.config.to_dict(), w.params, dtype=dtype, metadata=metadata)
+
+
+def load(path: str, dtype=jnp.float32) -> MTPWeights:
+    """Load a directory written by `save`; one-line DrafterErrors for bad input."""
+    raw = checkpoint.read_config(path, KIND, "MTP")
+    cfg = MTPConfig.from_dict(raw, f"{path}/{checkpoint.CONFIG_FILE}")
+    arrays = checkpoint.read_tensors(path, "MTP")
+    graphdef, params = checkpoint.fill(lambda: MTP(cfg, rngs=nnx.Rngs(0), dtype=dtype), arrays,
+                                       f"{path}/{checkpoint.WEIGHTS_FILE}", dtype)
+    return MTPWeights(cfg, graphdef, params, path)
+
+
+def gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x `[B, S, ...]`, idx `[B, T]` (clamped to 0..S-1) -> `[B, T, ...]`."""
+    idx = jnp.clip(idx, 0, x.shape[1] - 1)
+    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+@struct.dataclass
+class MTPState:
+    cache: KVCache  # K one-layer caches (module k in layer k - 1); lengths c = max(m - W, 0)
+    fin: jax.Array  # [B, L, D] target final hidden at positions c .. c + L - 1 (valid below m)
+    m: jax.Array  # [B] int32 = hist_len - 1
+
+
+class MTPDrafter(Drafter):
+    name = "mtp"
+    needs_final_hidden = True
+
+    def __init__(self, num_draft: int, weights: MTPWeights, target):
+        super().__init__(num_draft)
+        n = weights.config.num_modules
+        source = f"MTP drafter {weights.source}".strip()
+        if not 1 <= num_draft <= n:
+            raise DrafterError(f"{source} has {n} modules, so it drafts 1..{n} tokens per step; "
+                               f"got --num-draft {num_draft}")
+        weights.config.check_target(target.config, source)
+        self.weights, self.target = weights, target
+        self.window = max(num_draft - 1, 1)  # W
+
+    def cache_key(self):
+        return super().cache_key() + (id(self.weights),)
+
+    def params(self):
+        t = self.target.module()
+        return {"net": self.weights.params, "embed": t.embed[...], "head": t.head_weight()}
+
+    def _net(self, dparams) -> MTP:
+        return nnx.merge(self.weights.graphdef, dparams["net"])
+
+    def init(self, dparams, ctx: InitContext) -> MTPState:
+        net, k_max = self._net(dparams), self.num_draft
+        b, t = ctx.prompt.shape
+        m = ctx.prompt_len  # [B]
+        c = jnp.maximum(m - self.window, 0)  # [B]
+        pos = jnp.broadcast_to(jnp.arange(t)[None], (b, t))  # [B, T]
+        cos, sin = net.rope(pos)
+        cache = net.new_cache(k_max, b, ctx.cache_size)
+        h = ctx.target_final  # [B, T, D]
+        for k in range(1, k_max + 1):  # entries j < c read x_{j+k} with j + k <= m: committed
+            emb = jnp.take(dparams["embed"], gather_rows(ctx.history, pos + k), axis=0)  # [B, T, D]
+            h, cache = net.run(k, emb, h, cache, cos, sin)
+        length = self.window + k_max + 1  # L
+        fin = gather_rows(ctx.target_final, c[:, None] + jnp.arange(length)[None]).astype(net.dtype)  # [B, L, D]
+        return MTPState(cache.with_lengths(c), fin, m)
+
+    def draft_chain(self, dparams, st: MTPState, history: jax.Array, choose):
+        """Drafts 1..K from the state. `choose(k, logits [B, V]) -> token [B]` picks draft k
+        (sampling in `propose`; the true tokens in the consistency test). Returns drafts `[B, K]`,
+        the K logits `[B, V]` and the cache with the window's scratch entries."""
+        net, k_max, w = self._net(dparams), self.num_draft, self.window
+        c, m = st.cache.lengths, st.m  # [B] each
+        pos = c[:, None] + jnp.arange(w)[None]  # [B, W] window positions
+        cos, sin = net.rope(pos)
+        read = jnp.clip(m - 1 - c, 0, w - 1)[:, None, None]  # [B, 1, 1] window index of m - 1
+        h, cache = st.fin[:, :w], st.cache  # [B, W, D] h^0 over the window
+        drafts = jnp.zeros((history.shape[0], k_max), jnp.int32)  # [B, K]
+        all_logits = []
+        for k in range(1, k_max + 1):  # K is small and static: unrolled
+            p = pos + k  # [B, W] token positions module k reads: committed, or drafts < k
+            tok = jnp.where(p <= m[:, None], gather_rows(history, p), gather_rows(drafts, p - m[:, None] - 1))
+            h, cache = net.run(k, jnp.take(dparams["embed"], tok, axis=0), h, cache, cos, sin)  # [B, W, D]
+            logits = net.logits(k, jnp.take_along_axis(h, read, axis=1)[:, 0], dparams["head"])  # [B, V]
+            drafts = drafts.at[:, k - 1].set(choose(k, logits).astype(jnp.int32))
+            all_logits.append(logits)
+        return drafts, all_logits, cache
+
+    def propose(self, dparams, st: MTPState, ctx: StepContext):
+        keys = jax.random.split(ctx.key, self.num_draft)
+        drafts, logits, cache = self.draft_chain(
+            dparams, st, ctx.history, lambda k, lg: sample(keys[k - 1], lg, ctx.sampling))
+        q = None if ctx.all_greedy else jnp.stack([target_probs(lg, ctx.sampling) for lg in logits], axis=1)
+        return Proposal(drafts, q), st.replace(cache=cache)  # [B, K], [B, K, V] | None
+
+    def commit(self, dparams, st: MTPState, ctx: CommitContext) -> MTPState:
+        net, k_max, w = self._net(dparams), self.num_draft, self.window
+        c, old_m, new_m = st.cache.lengths, st.m, ctx.hist_len - 1  # [B] each
+        length = st.fin.shape[1]  # L = W + K + 1
+        # verify-pass finals sit at old_m .. old_m + K, i.e. fin offsets old_m - c <= W
+        fin = jax.vmap(lambda f, new, s: jax.lax.dynamic_update_slice(f, new.astype(f.dtype), (s, 0)))(
+            st.fin, ctx.target_final, old_m - c)  # [B, L, D]
+        pos = c[:, None] + jnp.arange(k_max + 1)[None]  # [B, K+1] positions c .. c + K
+        cos, sin = net.rope(pos)
+        h, cache = fin[:, : k_max + 1], st.cache  # [B, K+1, D]
+        for k in range(1, k_max + 1):  # entries kept (< c') read x_{j+k}, j + k <= new_m: committed
+            emb = jnp.take(dparams["embed"], gather_rows(ctx.history, pos + k), axis=0)  # [B, K+1, D]
+            h, cache = net.run(k, emb, h, cache, cos, sin)
+        c_new = jnp.maximum(new_m - w, 0)  # [B], c_new - c <= K + 1
+        shifted = gather_rows(jnp.pad(fin, ((0, 0), (0, length), (0, 0))),
+                              (c_new - c)[:, None] + jnp.arange(length)[None])  # [B, L, D]
+        return MTPState(cache.with_lengths(c_new), shifted, new_m)

@@ -1,0 +1,167 @@
+"""Distilled draft model: training lowers the loss; the export holds only the draft's own layers
+and loads through `--drafter draft:PATH` and the bare (shipped) `draft` with the target's
+embedding and head; greedy output equals plain decoding; checkpoints for another target or with
+a missing key fail in one line."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_train import sharp_target
+
+from specjax import drafters
+from specjax.drafters import make_drafter
+from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.engine import Engine
+from specjax.errors import DrafterError
+from specjax.models.config import tiny
+from specjax.models.loading import random_model
+from specjax.models.loading.safetensors_io import SafetensorsFile
+from specjax.sampling import SamplingParams
+from train.data import extract_features
+from train.draft_model import DraftDistillTask
+from train.loop import OptimConfig, fit, read_log
+
+
+@pytest.fixture(scope="module")
+def target():
+    return sharp_target()
+
+
+@pytest.fixture(scope="module")
+def store(target, tmp_path_factory):
+    """Greedy continuations of the target (like `regen` data) of random prompts."""
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(0, 256, 6).tolist() for _ in range(32)]
+    rows = Engine(target).generate(prompts, [SamplingParams(max_new_tokens=26)] * 32)
+    seqs = [(p + r.token_ids, len(p)) for p, r in zip(prompts, rows)]
+    return extract_features(target, seqs, (), str(tmp_path_factory.mktemp("feat")), 32)
+
+
+@pytest.fixture(scope="module")
+def trained(target, store, tmp_path_factory):
+    task = DraftDistillTask(target, num_layers=2, eval_k=3, loss_chunk=16)
+    o = OptimConfig(steps=30, batch_size=8, lr=3e-3, warmup_steps=3, checkpoint_every=30, eval_every=30)
+    before = task.evaluate(task.init_params(o.seed), store)
+    out = str(tmp_path_factory.mktemp("draft_run"))
+    params = fit(task, store, o, out, eval_store=store)
+    return task, params, before, read_log(out)
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    task, params, _, _ = trained
+    return task.export(params, str(tmp_path_factory.mktemp("draft") / "d"), jnp.bfloat16, {"note": "test"})
+
+
+def test_distillation_lowers_the_loss_and_raises_acceptance(trained):
+    _, _, before, log = trained
+    assert len(log) == 30
+    first, last = np.mean([r["loss"] for r in log[:3]]), np.mean([r["loss"] for r in log[-3:]])
+    assert last < 0.8 * first, (first, last)
+    after = log[-1]["eval"]
+    assert after["sim_mal"] > before["sim_mal"] + 0.1, (before, after)
+    assert set(after) == {"sim_mal", "sim_per_position", "sim_starts"} and len(after["sim_per_position"]) == 3
+
+
+def test_export_holds_only_the_drafts_own_tensors_and_loads(target, trained, exported):
+    _, params, _, _ = trained
+    names = SafetensorsFile(os.path.join(exported, "model.safetensors")).names()
+    assert "model.embed_tokens.weight" not in names and "lm_head.weight" not in names
+    assert "model.layers.1.mlp.down_proj.weight" in names and "model.layers.2.mlp.down_proj.weight" not in names
+    d = make_drafter(f"draft:{exported}", 3, target)
+    assert isinstance(d, DraftModelDrafter) and d.model.config.num_layers == 2
+    got = d.model.params
+    np.testing.assert_array_equal(np.asarray(got["embed"][...]), np.asarray(target.params["embed"][...]))
+    np.testing.assert_array_equal(np.asarray(got["lm_head"][...]), np.asarray(target.params["lm_head"][...]))
+    want = jax.tree.map(lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32), params)
+    np.testing.assert_array_equal(np.asarray(got["layers"][1]["mlp"]["down"][...]),
+                                  np.asarray(want["layers"][1]["mlp"]["down"][...]))
+    np.testing.assert_array_equal(np.asarray(got["norm"]["scale"][...]), np.asarray(want["norm"]["scale"][...]))
+
+
+def test_greedy_lossless_in_engine(target, exported):
+    engine = Engine(target)
+    rng = np.random.RandomState(4)
+    prompts = [rng.randint(0, 256, n).tolist() for n in (5, 11, 1)]
+    sp = [SamplingParams(max_new_tokens=24)] * 3
+    plain = [r.token_ids for r in engine.generate(prompts, sp)]
+    rows = engine.generate(prompts, sp, drafter=make_drafter(f"draft:{exported}", 4, target))
+    assert [r.token_ids for r in rows] == plain
+    assert sum(sum(r.accepted) for r in rows) > 0  # both the accept and the reject paths ran
+
+
+def test_bare_name_is_the_shipped_draft(target, exported, tmp_path, monkeypatch):
+    monkeypatch.setattr(drafters, "SHIPPED_DIR", str(tmp_path))
+    with pytest.raises(DrafterError, match="no draft drafter is shipped"):
+        make_drafter("draft", 3, target)
+    os.symlink(exported, drafters.shipped_path("draft"))
+    d = make_drafter("draft", 0, target)
+    assert isinstance(d, DraftModelDrafter) and d.num_draft == drafters.DEFAULT_NUM_DRAFT["draft"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hidden_size=32, num_heads=2, num_kv_heads=1), "hidden size 64, but this target has 32"),
+    (dict(vocab_size=512), "vocab size 256, but this target has 512"),
+    (dict(num_layers=6), "layer count 4, but this target has 6"),
+])
+def test_draft_for_another_target_is_one_line(exported, change, message):
+    other = random_model(tiny(**{"num_layers": 4, **change}), seed=0)
+    with pytest.raises(DrafterError, match=message) as e:
+        make_drafter(f"draft:{exported}", 3, other)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("section, key", [("specjax_draft", "target_num_layers"), (None, "hidden_size")])
+def test_missing_config_key_is_named(target, exported, tmp_path, section, key):
+    import shutil
+
+    path = shutil.copytree(exported, tmp_path / "d")
+    raw = json.loads((path / "config.json").read_text())
+    del (raw[section] if section else raw)[key]
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(DrafterError, match=f"missing the key '{key}'|missing key '{section}.{key}'") as e:
+        make_drafter(f"draft:{path}", 3, target)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("positions", [None, 16])
+def test_chunked_soft_ce_equals_the_plain_formula(positions):
+    """Value and gradient of the chunked, compacted, custom-VJP soft CE == the one-array formula."""
+    from train.common import chunked_soft_ce
+
+    rng = np.random.RandomState(0)
+    n, b, t, d, v = 2, 3, 21, 8, 50
+    draft = jnp.asarray(rng.randn(n, b, t, d), jnp.float32)
+    target, head = jnp.asarray(rng.randn(b, t, d), jnp.float32), jnp.asarray(rng.randn(v, d), jnp.float32)
+    valid = jnp.asarray(rng.rand(n, b, t) < 0.4)  # at most 16 labelled positions per row here
+    w = jnp.asarray([0.7, 1.3])
+
+    def plain(dr):
+        p = jax.nn.softmax(target @ head.T, -1)
+        return jnp.sum(-jnp.sum(p * jax.nn.log_softmax(dr @ head.T, -1), -1) * valid, axis=(1, 2))
+
+    chunked = lambda dr: chunked_soft_ce(dr, target, head, valid, 4, positions)[0]
+    np.testing.assert_allclose(chunked(draft), plain(draft), rtol=1e-5)
+    np.testing.assert_allclose(jax.grad(lambda dr: w @ chunked(dr))(draft), jax.grad(lambda dr: w @ plain(dr))(draft),
+                               atol=1e-5)
+
+
+def test_recipes_build_their_tasks(target):
+    from train.cli import feature_layers, make_task
+    from train.config import RecipeError, load_recipe
+    from train.mtp import MTPTask
+
+    for kind, cls in (("mtp", MTPTask), ("draft", DraftDistillTask)):
+        r = load_recipe(os.path.join(os.path.dirname(__file__), "..", "configs", f"{kind}-smollm2.yaml"))
+        assert r.drafter == kind and feature_layers(r, target) == ()
+        assert isinstance(make_task(r, target, None), cls)
+    r = load_recipe(None, ["drafter=mtp", "out_dir=x", "data={}", "optim={}", "model.num_modules=2", "model.eval_k=3"])
+    with pytest.raises(RecipeError, match="model section: eval_k must be 1..num_modules"):
+        make_task(r, target, None)
+    r = load_recipe(None, ["drafter=draft", "out_dir=x", "data={}", "optim={}", "model.num_layer=2"])
+    with pytest.raises(RecipeError, match="num_layer"):
+        make_task(r, target, None)
