@@ -80,8 +80,9 @@ def check_drafter_names(specs: list[str]) -> None:
 def resolve_configs(specs: list[str], num_drafts: list[int], model) -> list[Config]:
     """Plain decoding first, then every drafter x K, each built through `make_drafter` (via the
     API's drafter cache, so a draft model loads once for all K). Raises DrafterError for unknown
-    names or missing checkpoints, before anything runs. A drafter that fixes its own K (e.g. a
-    trained head count) is listed once, under the K it reports."""
+    names or missing checkpoints, before anything runs. A drafter that fixes its own K is listed
+    once, under the K it reports; K values a drafter cannot draft (more than an MTP drafter's
+    module count) are skipped for it, and only a drafter with no usable K is an error."""
     if any(k < 1 for k in num_drafts):
         raise DrafterError(f"--num-draft values must be >= 1, got {num_drafts}")
     configs = [Config("none", 0, get_drafter("none", 0, model))]
@@ -90,12 +91,20 @@ def resolve_configs(specs: list[str], num_drafts: list[int], model) -> list[Conf
         spec = spec.strip()
         if spec == "none":
             continue
+        errors, built = [], 0
         for k in num_drafts:
-            d = get_drafter(spec, k, model)
+            try:
+                d = get_drafter(spec, k, model)
+            except DrafterError as e:  # e.g. K above a trained head count: skip that K
+                errors.append(e)
+                continue
+            built += 1
             c = Config(spec, d.num_draft, d)
             if c.key not in seen:
                 seen.add(c.key)
                 configs.append(c)
+        if not built:
+            raise errors[0]
     return configs
 
 
