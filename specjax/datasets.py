@@ -106,12 +106,15 @@ def _json_array_prefix(text: str) -> list:
 
 
 def sharegpt_split(seed: int = 0, bench_size: int = 200) -> tuple[list[list[dict]], list[list[dict]]]:
-    """(bench sample, training pool): a fixed, disjoint split of the conversations."""
+    """(bench sample, training pool): a fixed split of the conversations. ShareGPT repeats some
+    first messages across conversations; training conversations whose first message is a bench
+    prompt are dropped, so that no bench prompt is ever trained on."""
     convs = sharegpt_conversations()
     order = list(range(len(convs)))
     random.Random(seed).shuffle(order)
     bench = [convs[i] for i in order[:bench_size]]
-    train = [convs[i] for i in order[bench_size:]]
+    held_out = {c[0]["content"] for c in bench}
+    train = [convs[i] for i in order[bench_size:] if convs[i][0]["content"] not in held_out]
     return bench, train
 
 
