@@ -1,4 +1,4 @@
-"""The `specjax` command line: generate, bench, batch, train.
+"""The `specjax` command line: generate, bench, batch, serve, serve-bench, train.
 
 Errors caused by the user print one line on stderr and exit with code 2; internal failures print
 one line and exit with code 1 (set SPECJAX_DEBUG=1 for the traceback).
@@ -161,6 +161,101 @@ def cmd_batch(a) -> int:
     return 0
 
 
+def _serving_config(a):
+    """The serving config: `--config` YAML, then the flags that were given."""
+    from specjax.serving.config import load_config
+
+    keys = {}
+    for item in a.api_key_class or []:
+        key, eq, cls = item.partition("=")
+        if not eq or not key:
+            raise SpecjaxError(f"--api-key-class takes KEY=CLASS, got {item!r}")
+        keys[key] = cls
+    cfg = load_config(
+        a.config, policy=a.policy, buckets=ints(a.buckets, "--buckets") if a.buckets else None,
+        ks=ints(a.ks, "--ks") if a.ks else None, chunk_steps=a.chunk_steps, max_seq_len=a.max_seq_len,
+        default_class=a.default_class, step_costs=a.step_costs,
+    )
+    cfg.api_keys.update(keys)
+    return cfg.validate()
+
+
+def cmd_serve(a) -> int:
+    """`specjax serve`: the OpenAI-compatible server (specjax/serving/server.py)."""
+    import logging
+
+    from specjax.serving import scheduler, server
+
+    cfg = _serving_config(a)
+    logging.basicConfig(level=logging.INFO, format="specjax serve: %(message)s")
+    scheduler.enable_compile_cache(None if a.compile_cache == "none" else a.compile_cache or _default_xla_cache())
+    import specjax
+
+    model = specjax.load_model(a.model, dtype=a.dtype)
+    if model.tokenizer is None:
+        raise SpecjaxError(f"model {model.name} has no tokenizer; the server needs one")
+    say = lambda msg: print(f"specjax serve: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    say(f"warming up {model.name}: drafter {a.drafter}, K in {cfg.ks}, batch buckets {cfg.buckets} ...")
+    sched = scheduler.build_scheduler(model, a.drafter, cfg, log=say)
+    if a.save_step_costs:
+        with open(a.save_step_costs, "w") as fh:
+            json.dump({"step_costs": sched.costs.to_dict(), "source": sched.costs.source}, fh, indent=1)
+    sched.start()
+    name = a.served_model_name or model.name
+    say(f"serving {name!r} on http://{a.host}:{a.port} (policy {cfg.policy})")
+    try:
+        server.run(sched, model, name, a.host, a.port, log_level=a.log_level)
+    finally:
+        sched.stop()
+    return 0
+
+
+def _default_xla_cache() -> str:
+    from specjax.models.loading import cache_root
+
+    return os.path.join(cache_root(), "xla")
+
+
+def cmd_serve_bench(a) -> int:
+    """`specjax serve-bench`: offered-load sweep of the serving rules (specjax/serving/loadbench.py)."""
+    from specjax.serving import loadbench, scheduler
+
+    cfg = _serving_config(a)
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in loadbench.MODES]
+    if bad or not modes:
+        raise SpecjaxError(f"--modes takes a comma-separated subset of {', '.join(loadbench.MODES)}, got {a.modes!r}")
+    loads = ints(a.loads, "--loads")
+    if min(loads) < 1 or a.requests < 1 or a.max_tokens < 1:
+        raise SpecjaxError("--loads, --requests and --max-tokens take integers >= 1")
+    scheduler.enable_compile_cache(None if a.compile_cache == "none" else a.compile_cache or _default_xla_cache())
+    import specjax
+
+    model = specjax.load_model(a.model, dtype=a.dtype)
+    loadbench.run_sweep(model, a.drafter, cfg, loads=loads, modes=modes, requests_per_load=a.requests,
+                        max_tokens=a.max_tokens, suites=a.suites, interactive_share=a.interactive_share,
+                        json_out=a.json_out, seed=a.seed)
+    return 0
+
+
+def add_serving_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", default="ngram", help="none | ngram | draft:PATH | eagle3[:PATH] | mtp[:PATH] "
+                   "(mtp: one K, e.g. --ks 3)")
+    p.add_argument("--config", default=None, help="serving config YAML, e.g. configs/serving-policy.yaml")
+    p.add_argument("--policy", default=None, choices=["rules", "always", "never", "schedule"],
+                   help="how K is chosen (default: the config's, rules)")
+    p.add_argument("--buckets", default=None, help="running-batch buckets, e.g. 1,2,4,8")
+    p.add_argument("--ks", default=None, help="K values the policy may use, e.g. 0,1,2,3 (all compiled ahead)")
+    p.add_argument("--chunk-steps", type=int, default=None, help="steps per compiled chunk")
+    p.add_argument("--max-seq-len", type=int, default=None, help="prompt + max_tokens per request")
+    p.add_argument("--default-class", default=None, choices=["interactive", "batch"])
+    p.add_argument("--api-key-class", action="append", metavar="KEY=CLASS",
+                   help="latency class of requests with this API key (repeatable)")
+    p.add_argument("--step-costs", default=None, help="JSON of seconds per step by bucket and K (skips timing)")
+    p.add_argument("--compile-cache", default=None, help="XLA compilation cache dir (default: "
+                   "$SPECJAX_CACHE/xla; 'none' disables)")
+
+
 def ints(text: str, flag: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x]
@@ -242,6 +337,31 @@ def build_parser() -> ArgumentParser:
                    "checks, which stop every process when one dies) after the rendezvous")
     j.add_argument("--no-progress", action="store_true", help="no progress bar (the summary is still printed)")
     j.set_defaults(fn=cmd_batch)
+
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and throttled "
+                       "speculation")
+    add_model_args(v)
+    add_serving_args(v)
+    v.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
+    v.add_argument("--save-step-costs", default=None, help="write the warm-up's step costs to this JSON file")
+    v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    v.set_defaults(fn=cmd_serve)
+
+    sb = sub.add_parser("serve-bench", help="offered-load sweep: speculation always on / always off / serving rules")
+    add_model_args(sb)
+    add_serving_args(sb)
+    sb.add_argument("--loads", default="1,2,4,8", help="concurrent clients per load point")
+    sb.add_argument("--modes", default="always,never,rules", help="subset of always,never,rules")
+    sb.add_argument("--requests", type=int, default=16, help="requests per load point and mode")
+    sb.add_argument("--max-tokens", type=int, default=64)
+    sb.add_argument("--suites", default="humaneval,mtbench", help="prompt suites (batch class takes the first, "
+                    "interactive the second)")
+    sb.add_argument("--interactive-share", type=float, default=0.5, help="fraction of clients that are interactive")
+    sb.add_argument("--seed", type=int, default=0)
+    sb.add_argument("--json-out", default=None)
+    sb.set_defaults(fn=cmd_serve_bench)
 
     t = sub.add_parser("train", help="train a drafter for the target (train/: data, features, Optax, Orbax)")
     t.add_argument("args", nargs="*", metavar="[DRAFTER] [KEY=VALUE ...]",

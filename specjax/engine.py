@@ -5,13 +5,20 @@ Two compiled functions per shape bucket (batch, prompt bucket T, cache size S, d
 * `prefill(params, prompt [B, T], prompt_len [B])` runs right-padded prompts of different
   lengths in one pass (row b's prompt at positions 0..prompt_len[b]-1) and returns the cache, the
   last-position logits and, for drafters that read them, the target's hidden states;
-* `decode(...)` samples the first token, initialises the drafter and runs the loop. Each step:
-  the drafter proposes K tokens; the target verifies [last, d_1..d_K] in one forward (T = K + 1),
-  or, when the drafter marks no live row's drafts as worth it, runs a plain one-token step;
-  the accept step keeps n drafts and adds one token; each row commits its own n + 1 tokens (KV
-  cache lengths advance by n + 1; rejected positions are rolled back by not advancing); rows stop
-  on EOS / stop ids / their own max_new_tokens. Per-row statistics (steps, per-position checks
-  and accepts) ride in the loop state. K = 0 is plain decoding.
+* `decode(...)` samples the first token, initialises the drafter (`init_state`) and runs the
+  loop. Each step (`decode_step`): the drafter proposes K tokens; the target verifies
+  [last, d_1..d_K] in one forward (T = K + 1), or, when the drafter marks no live row's drafts as
+  worth it, runs a plain one-token step; the accept step keeps n drafts and adds one token; each
+  row commits its own n + 1 tokens (KV cache lengths advance by n + 1; rejected positions are
+  rolled back by not advancing); rows stop on EOS / stop ids / their own max_new_tokens.
+  Per-row statistics (steps, per-position checks and accepts) ride in the loop state. K = 0 is
+  plain decoding.
+
+`decode_step` is the one implementation of a step: `Engine.generate` loops it until every row is
+done, the serving slot engine (specjax/serving/slots.py) loops it for a bounded number of steps
+over persistent slots whose rows come and go between chunks. For that, everything a row needs
+(its sampling settings, stop ids, limits) lives in the state, every per-row leaf of the state
+has a leading batch-major dim (`B` or `B * r`), and the statistics arrays may be wider than K.
 
 Invariant: `history[b, :hist_len[b]]` is prompt + emitted tokens, and the KV cache holds all of
 them but the last. The caches are donated, so XLA updates them in place.
@@ -51,10 +58,15 @@ class LoopState:
     hist_len: jax.Array  # [B] int32
     done: jax.Array  # [B] bool
     stopped: jax.Array  # [B] bool, ended on EOS / a stop id (else on length)
-    key: jax.Array
+    key: jax.Array  # one key for the batch (not per row)
     steps: jax.Array  # [B] int32, steps in which the row was running
-    checked: jax.Array  # [B, K] int32, times draft position i was checked
-    accepted: jax.Array  # [B, K] int32, times draft position i was accepted
+    checked: jax.Array  # [B, W] int32, times draft position i was checked (W >= K)
+    accepted: jax.Array  # [B, W] int32, times draft position i was accepted
+    # The row's own settings, fixed for its life; in the state so a slot can change rows.
+    prompt_len: jax.Array  # [B] int32
+    max_new: jax.Array  # [B] int32
+    stop_ids: jax.Array  # [B, M] int32, -1 padded
+    sampling: SamplingArrays  # [B] each
 
 
 @dataclasses.dataclass
@@ -81,13 +93,12 @@ def _is_stop(tokens, stop_ids):
     return jnp.any(tokens[:, :, None] == stop_ids[:, None, :], axis=-1)
 
 
-def _decode(graphdef, params, dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final,
-            samp: SamplingArrays, max_new, stop_ids, key, *, drafter: Drafter, all_greedy: bool,
-            implementation: str):
-    """max_new [B] int32; stop_ids [B, M] int32 (-1 padded). Returns the final LoopState."""
-    model = nnx.merge(graphdef, params)
+def init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final, samp: SamplingArrays,
+               max_new, stop_ids, key, *, drafter: Drafter, all_greedy: bool, stat_width: int) -> LoopState:
+    """The loop state after the prefill: the first token sampled from `last_logits [B, V]`, the
+    history `[B, S]` (S = the cache's size), the drafter initialised. `key` is split once for the
+    first token; the rest travels in the state."""
     b, s = prompt.shape[0], cache.size
-    k = drafter.num_draft
     key, sub = jax.random.split(key)
     first = sample(sub, last_logits, samp)  # [B]
     history = jnp.zeros((b, s), jnp.int32).at[:, : prompt.shape[1]].set(prompt)
@@ -98,7 +109,7 @@ def _decode(graphdef, params, dparams, cache, last_logits, prompt, prompt_len, p
         dparams,
         InitContext(prompt, prompt_len, history, hist_len, samp, pre_hidden, pre_final, s, all_greedy),
     )
-    state = LoopState(
+    return LoopState(
         cache=cache,
         draft_state=dstate,
         history=history,
@@ -107,18 +118,45 @@ def _decode(graphdef, params, dparams, cache, last_logits, prompt, prompt_len, p
         stopped=stop,
         key=key,
         steps=jnp.zeros((b,), jnp.int32),
-        checked=jnp.zeros((b, k), jnp.int32),
-        accepted=jnp.zeros((b, k), jnp.int32),
+        checked=jnp.zeros((b, stat_width), jnp.int32),
+        accepted=jnp.zeros((b, stat_width), jnp.int32),
+        prompt_len=prompt_len,
+        max_new=max_new,
+        stop_ids=stop_ids,
+        sampling=samp,
     )
+
+
+def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: bool,
+                implementation: str, force_verify=False) -> LoopState:
+    """One draft -> verify -> accept -> commit step over every row (done rows write nothing).
+
+    `all_greedy` is static: True compiles only the greedy accept; False decides at run time
+    (greedy fast path when no row samples), so one compiled step serves any mix of rows. The
+    drafter's `commit` runs at K = 0 too, so drafter state stays current across plain steps
+    (the serving scheduler switches K between chunks; NoDrafter's commit does nothing).
+    `force_verify` (a bool, or a traced scalar) verifies even when the drafter marks no row
+    active: the slot engine times verify steps with the compiled code it serves with.
+    """
+    b, s = st.history.shape
+    k = drafter.num_draft
+    w = st.checked.shape[1]
+    samp, prompt_len, max_new, stop_ids = st.sampling, st.prompt_len, st.max_new, st.stop_ids
     collect = drafter.hidden_layers
 
-    def cond(st: LoopState):
-        return ~jnp.all(st.done)
+    def accept_step(logits, draft, q, k_accept):
+        if all_greedy or k == 0:
+            return accept(logits, draft, q, samp, k_accept, all_greedy, implementation)
+        return jax.lax.cond(
+            jnp.any(samp.temperature > 0),
+            lambda: accept(logits, draft, q, samp, k_accept, False, implementation),
+            lambda: accept(logits, draft, q, samp, k_accept, True, implementation),
+        )
 
     def verify(tokens_in, draft, q, cache, k_accept):
         """Target pass over [last, d_1..d_K] [B, K+1] and the accept step."""
         h, cache, hidden = model.hidden(tokens_in, cache, collect=collect)  # [B, K+1, D]
-        n, emitted = accept(model.logits(h), draft, q, samp, k_accept, all_greedy, implementation)
+        n, emitted = accept_step(model.logits(h), draft, q, k_accept)
         return n, emitted, cache, hidden, (h if drafter.needs_final_hidden else None)
 
     def plain_step(tokens_in, draft, q, cache, k_accept):
@@ -131,61 +169,69 @@ def _decode(graphdef, params, dparams, cache, last_logits, prompt, prompt_len, p
         final = jnp.pad(h, pad) if drafter.needs_final_hidden else None
         return jnp.zeros((b,), jnp.int32), emitted, cache, hidden, final
 
-    def body(st: LoopState):
-        key, k_draft, k_accept = jax.random.split(st.key, 3)
-        live = ~st.done
-        last = jnp.take_along_axis(st.history, (st.hist_len - 1)[:, None], axis=1)  # [B, 1]
-        if k > 0:
-            ctx = StepContext(st.history, st.hist_len, samp, k_draft, all_greedy)
-            proposal, dstate = drafter.propose(dparams, st.draft_state, ctx)
-            draft, q = proposal.draft, proposal.q  # [B, K], [B, K, V] | None
-            tokens_in = jnp.concatenate([last, draft], axis=1)  # [B, K+1]
-            operands = (tokens_in, draft, q, st.cache, k_accept)
-            if proposal.active is None:
-                verified = jnp.asarray(True)
-                n, emitted, cache, hidden, final = verify(*operands)
-            else:  # skip the (K+1)-token pass when no live row has drafts worth checking
-                verified = jnp.any(proposal.active & live)
-                n, emitted, cache, hidden, final = jax.lax.cond(verified, verify, plain_step, *operands)
-        else:
-            draft, q, dstate = jnp.zeros((b, 0), jnp.int32), None, st.draft_state
-            verified = jnp.asarray(False)
-            n, emitted, cache, hidden, final = verify(last, draft, q, st.cache, k_accept)
+    key, k_draft, k_accept = jax.random.split(st.key, 3)
+    live = ~st.done
+    last = jnp.take_along_axis(st.history, (st.hist_len - 1)[:, None], axis=1)  # [B, 1]
+    if k > 0:
+        ctx = StepContext(st.history, st.hist_len, samp, k_draft, all_greedy)
+        proposal, dstate = drafter.propose(dparams, st.draft_state, ctx)
+        draft, q = proposal.draft, proposal.q  # [B, K], [B, K, V] | None
+        tokens_in = jnp.concatenate([last, draft], axis=1)  # [B, K+1]
+        operands = (tokens_in, draft, q, st.cache, k_accept)
+        if proposal.active is None:
+            verified = jnp.asarray(True)
+            n, emitted, cache, hidden, final = verify(*operands)
+        else:  # skip the (K+1)-token pass when no live row has drafts worth checking
+            verified = jnp.any(proposal.active & live) | force_verify
+            n, emitted, cache, hidden, final = jax.lax.cond(verified, verify, plain_step, *operands)
+    else:
+        draft, q, dstate = jnp.zeros((b, 0), jnp.int32), None, st.draft_state
+        verified = jnp.asarray(False)
+        n, emitted, cache, hidden, final = verify(last, draft, q, st.cache, k_accept)
 
-        # Truncate at the first stop token and at max_new; only live rows write.
-        num_out = st.hist_len - prompt_len
-        idx = jnp.arange(k + 1)[None]
-        valid = idx <= n[:, None]
-        is_stop = _is_stop(emitted, stop_ids) & valid
-        first_stop = jnp.min(jnp.where(is_stop, idx, k + 1), axis=1)  # [B]
-        n_emit = jnp.minimum(jnp.minimum(n + 1, first_stop + 1), max_new - num_out)
-        n_emit = jnp.where(live, n_emit, 0)
-        window = jnp.take_along_axis(st.history, jnp.minimum(st.hist_len[:, None] + idx, s - 1), axis=1)
-        new_vals = jnp.where(idx < n_emit[:, None], emitted, window)
-        history = write_rows(st.history, new_vals, st.hist_len)  # S leaves room: see shapes()
-        hist_len = st.hist_len + n_emit
-        stopped = st.stopped | (live & (first_stop < n_emit))
-        done = st.done | stopped | (hist_len - prompt_len >= max_new)
-        cache = cache.advance(jnp.where(live, n + 1, 0))
+    # Truncate at the first stop token and at max_new; only live rows write.
+    num_out = st.hist_len - prompt_len
+    idx = jnp.arange(k + 1)[None]
+    valid = idx <= n[:, None]
+    is_stop = _is_stop(emitted, stop_ids) & valid
+    first_stop = jnp.min(jnp.where(is_stop, idx, k + 1), axis=1)  # [B]
+    n_emit = jnp.minimum(jnp.minimum(n + 1, first_stop + 1), max_new - num_out)
+    n_emit = jnp.where(live, n_emit, 0)
+    window = jnp.take_along_axis(st.history, jnp.minimum(st.hist_len[:, None] + idx, s - 1), axis=1)
+    new_vals = jnp.where(idx < n_emit[:, None], emitted, window)
+    history = write_rows(st.history, new_vals, st.hist_len)  # S leaves room: see shapes()
+    hist_len = st.hist_len + n_emit
+    stopped = st.stopped | (live & (first_stop < n_emit))
+    done = st.done | stopped | (hist_len - prompt_len >= max_new)
+    cache = cache.advance(jnp.where(live, n + 1, 0))
 
-        if k > 0:
-            dstate = drafter.commit(dparams, dstate, CommitContext(n, emitted, history, hist_len, live, hidden, final))
-        pos = jnp.arange(k)[None]
-        checked = live[:, None] & verified & (pos <= n[:, None])  # [B, K]
-        return LoopState(
-            cache=cache,
-            draft_state=dstate,
-            history=history,
-            hist_len=hist_len,
-            done=done,
-            stopped=stopped,
-            key=key,
-            steps=st.steps + live,
-            checked=st.checked + checked,
-            accepted=st.accepted + (checked & (pos < n[:, None])),
-        )
+    dstate = drafter.commit(dparams, dstate, CommitContext(n, emitted, history, hist_len, live, hidden, final))
+    pos = jnp.arange(w)[None]
+    checked = live[:, None] & verified & (pos <= n[:, None]) & (pos < k)  # [B, W]
+    return st.replace(
+        cache=cache,
+        draft_state=dstate,
+        history=history,
+        hist_len=hist_len,
+        done=done,
+        stopped=stopped,
+        key=key,
+        steps=st.steps + live,
+        checked=st.checked + checked,
+        accepted=st.accepted + (checked & (pos < n[:, None])),
+    )
 
-    return jax.lax.while_loop(cond, body, state)
+
+def _decode(graphdef, params, dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final,
+            samp: SamplingArrays, max_new, stop_ids, key, *, drafter: Drafter, all_greedy: bool,
+            implementation: str):
+    """max_new [B] int32; stop_ids [B, M] int32 (-1 padded). Returns the final LoopState."""
+    model = nnx.merge(graphdef, params)
+    state = init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final, samp, max_new,
+                       stop_ids, key, drafter=drafter, all_greedy=all_greedy, stat_width=drafter.num_draft)
+    step = partial(decode_step, model, dparams, drafter=drafter, all_greedy=all_greedy,
+                   implementation=implementation)
+    return jax.lax.while_loop(lambda st: ~jnp.all(st.done), step, state)
 
 
 class Engine:

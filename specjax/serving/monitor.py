@@ -1,0 +1,257 @@
+"""Acceptance monitor with fallback: is speculation paying for a latency class right now?
+
+The scheduler feeds the monitor, after every chunk, each class's share of the chunk: row-steps,
+tokens emitted, row-steps that verified drafts, and per-position checks / accepts (deltas of the
+rows' counters in the loop state). Only chunks that ran with K > 0 enter the rolling window: a
+plain chunk says nothing about the drafter.
+
+From the window the monitor estimates, per class, the fraction f of row-steps that verified and
+the per-position acceptance a_i = P(draft i accepted | drafts < i accepted); the policy turns
+them into MAL(K) = 1 + f * sum_{j<=K} prod_{i<=j} a_i and, with the measured step costs, into
+the expected gain of K over plain decoding (policy.py). Fallback rules, per class:
+
+* on -> off when the window holds at least `min_steps` row-steps and the best expected gain over
+  every K > 0 is below `off_below` (1.0: speculation would be slower than plain decoding). The
+  window is bounded (`window_steps`), so a drafter that turns bad is switched off within about
+  `window_steps` row-steps, and a class that starts bad within `min_steps`;
+* while off, every `probe_every` scheduler steps the class gets a probe: one chunk at the K the
+  policy picks for the current batch. The window is cleared when the probe starts, so it measures
+  the present, not the past;
+* a class that is on but has no evidence (the policy priced the prior and chose plain decoding,
+  so no speculative step ever measured the drafter) gets an exploration probe every
+  `probe_every` steps, as long as a near-perfect drafter could pay at the current batch size;
+* off -> on when a probe's expected gain is at least `on_above` (> off_below: hysteresis, so a
+  class near the break-even point does not flap), or when rows of the class that ran in other
+  classes' speculative chunks since the switch (the window is cleared at it) show that much.
+
+Every switch and probe result is a decision with its reason in the `DecisionLog` (also logged
+with Python's `logging` under `specjax.serving`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+
+import numpy as np
+
+from specjax.serving.config import MonitorConfig
+
+logger = logging.getLogger("specjax.serving")
+
+
+@dataclasses.dataclass
+class Sample:
+    """One chunk's statistics for a set of rows (a class, or one request)."""
+
+    row_steps: int = 0  # steps summed over rows
+    tokens: int = 0  # tokens those steps emitted
+    verified: int = 0  # row-steps whose drafts the target checked
+    checked: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))  # [W]
+    accepted: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))  # [W]
+
+    def add(self, o: "Sample") -> None:
+        self.row_steps += o.row_steps
+        self.tokens += o.tokens
+        self.verified += o.verified
+        w = max(len(self.checked), len(o.checked))
+        self.checked = _pad(self.checked, w) + _pad(o.checked, w)
+        self.accepted = _pad(self.accepted, w) + _pad(o.accepted, w)
+
+    @property
+    def mal(self) -> float:
+        """Tokens per step, bonus included (1.0 without data)."""
+        return self.tokens / self.row_steps if self.row_steps else 1.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        c = int(self.checked.sum())
+        return float(self.accepted.sum()) / c if c else None
+
+    def per_position(self) -> list[float]:
+        return [float(a) / c if c else 0.0 for a, c in zip(self.accepted, self.checked)]
+
+
+def _pad(x: np.ndarray, w: int) -> np.ndarray:
+    return np.pad(np.asarray(x, np.int64), (0, w - len(x)))
+
+
+@dataclasses.dataclass
+class Estimate:
+    """What the policy needs to price K for a class."""
+
+    verified: float  # f, fraction of row-steps that verify
+    acceptance: list[float]  # a_i per draft position (prior where unmeasured)
+    row_steps: int  # evidence behind it
+
+    def mal(self, k: int) -> float:
+        """Expected tokens per row-step at K: 1 + f * sum_j prod_{i<=j} a_i."""
+        total, prod = 0.0, 1.0
+        for i in range(k):
+            prod *= self.acceptance[min(i, len(self.acceptance) - 1)]
+            total += prod
+        return 1.0 + self.verified * total
+
+
+class DecisionLog:
+    """Recent scheduling decisions with their reasons (thread-safe ring buffer + logging)."""
+
+    def __init__(self, maxlen: int = 500):
+        self._items: collections.deque = collections.deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+        self._seq = 0
+
+    def add(self, kind: str, reason: str, **fields) -> dict:
+        with self._lock:
+            self._seq += 1
+            item = {"seq": self._seq, "time": time.time(), "kind": kind, **fields, "reason": reason}
+            self._items.append(item)
+        logger.info("%s: %s", kind, reason)
+        return item
+
+    def recent(self, n: int | None = None) -> list[dict]:
+        with self._lock:
+            items = list(self._items)
+        return items[-n:] if n else items
+
+
+class _ClassState:
+    def __init__(self):
+        self.window: collections.deque[Sample] = collections.deque()
+        self.window_steps = 0
+        self.on = True
+        self.probing = False
+        self.last_probe_step = -(10**9)  # scheduler step when the class went off or last probed
+        self.off_since = 0
+        self.switches = 0
+
+
+class AcceptanceMonitor:
+    """Rolling acceptance / MAL per latency class and the on/off state of speculation."""
+
+    def __init__(self, cfg: MonitorConfig, classes, drafter: str, log: DecisionLog, enabled: bool = True):
+        self.cfg = cfg
+        self.drafter = drafter
+        self.log = log
+        self.enabled = enabled  # False: always on, no probes (policies "always" / "never")
+        self.classes = {c: _ClassState() for c in classes}
+        self.totals = {c: Sample() for c in classes}  # since start, K > 0 chunks
+
+    # ---- feeding -------------------------------------------------------------------------------
+
+    def record(self, cls: str, k: int, sample: Sample) -> None:
+        if k == 0 or sample.row_steps == 0:
+            return
+        st = self.classes[cls]
+        st.window.append(sample)
+        st.window_steps += sample.row_steps
+        while len(st.window) > 1 and st.window_steps - st.window[0].row_steps >= self.cfg.window_steps:
+            st.window_steps -= st.window.popleft().row_steps
+        self.totals[cls].add(sample)
+
+    def window(self, cls: str) -> Sample:
+        out = Sample()
+        for s in self.classes[cls].window:
+            out.add(s)
+        return out
+
+    def estimate(self, cls: str, width: int, measured: bool = False) -> Estimate:
+        """Measured f and a_i once the window holds `min_steps` row-steps (with `measured`, as
+        soon as it holds any), the prior before: the policy keeps speculating until there is
+        evidence either way (a class that never ran speculative steps could never be judged)."""
+        w = self.window(cls)
+        prior = self.cfg.prior_acceptance
+        if w.row_steps < (1 if measured else self.cfg.min_steps):
+            return Estimate(1.0, [prior] * max(width, 1), w.row_steps)
+        acc = [a / c if c else prior for a, c in zip(_pad(w.accepted, width), _pad(w.checked, width))]
+        verified = w.verified / w.row_steps if w.row_steps else 1.0
+        return Estimate(verified, acc or [prior], w.row_steps)
+
+    # ---- decisions -----------------------------------------------------------------------------
+
+    def spec_on(self, cls: str) -> bool:
+        return not self.enabled or self.classes[cls].on
+
+    def probe_due(self, cls: str, step: int, worth_exploring: bool = False) -> bool:
+        """A probe is due for a class that is off, every `probe_every` steps; and, as exploration,
+        for a class that is on but has no evidence yet (the policy, pricing the prior, chose plain
+        decoding), when `worth_exploring` (a good drafter could pay at this batch size)."""
+        st = self.classes[cls]
+        if not self.enabled or step - st.last_probe_step < self.cfg.probe_every:
+            return False
+        return not st.on or (worth_exploring and st.window_steps < self.cfg.min_steps)
+
+    def probe_steps(self, cls: str, rows: int) -> int:
+        """Steps for a probe: `probe_steps`, or enough for `min_steps` row-steps when exploring."""
+        st = self.classes[cls]
+        need = -(-(self.cfg.min_steps - st.window_steps) // max(rows, 1)) if st.on else 0
+        return max(self.cfg.probe_steps, need)
+
+    def start_probe(self, cls: str, step: int, k: int, steps: int) -> None:
+        st = self.classes[cls]
+        st.probing, st.last_probe_step = True, step
+        if st.on:
+            why = f"no evidence yet on the drafter for class {cls}; exploring"
+        else:
+            why = f"class {cls}: speculation off since step {st.off_since}; probing"
+            self._clear(st)
+        self.log.add("probe", f"{why} K={k} for {steps} steps", cls=cls, k=k, step=step)
+
+    def evaluate(self, cls: str, gain: float, detail: str, step: int) -> None:
+        """After a chunk: switch the class off / on from the best expected gain over K > 0."""
+        if not self.enabled:
+            return
+        st = self.classes[cls]
+        cfg = self.cfg
+        if st.probing:
+            if st.window_steps == 0:
+                return  # the probe chunk had no rows of this class (they finished first)
+            st.probing = False
+            st.last_probe_step = step
+            if st.on:  # exploration: from now on the policy prices K from this evidence
+                self.log.add("explored", f"class {cls}: measured expected gain {gain:.2f} over "
+                             f"{st.window_steps} row-steps ({detail})", cls=cls, gain=gain, step=step)
+            elif gain >= cfg.on_above:
+                st.on = True
+                st.switches += 1
+                self.log.add("spec_on", f"class {cls}: probe measured expected gain {gain:.2f} >= "
+                             f"{cfg.on_above:.2f}; speculation back on ({detail})", cls=cls, gain=gain, step=step)
+                return
+            else:
+                self.log.add("probe_failed", f"class {cls}: probe measured expected gain {gain:.2f} < "
+                             f"{cfg.on_above:.2f}; speculation stays off ({detail})", cls=cls, gain=gain, step=step)
+                return
+        if st.window_steps < cfg.min_steps:
+            return
+        if st.on and gain < cfg.off_below:
+            self.log.add("spec_off", f"class {cls}: expected gain {gain:.2f} < {cfg.off_below:.2f} over the "
+                         f"last {st.window_steps} row-steps; speculation off, probe every {cfg.probe_every} "
+                         f"steps ({detail})", cls=cls, gain=gain, step=step)
+            st.on = False
+            st.switches += 1
+            st.last_probe_step = st.off_since = step
+            self._clear(st)  # what comes next (probes, other classes' K > 0 chunks) is fresh evidence
+        elif not st.on and gain >= cfg.on_above:  # measured in other classes' speculative chunks
+            st.on = True
+            st.switches += 1
+            self.log.add("spec_on", f"class {cls}: expected gain {gain:.2f} >= {cfg.on_above:.2f} over "
+                         f"{st.window_steps} row-steps since it was switched off; speculation back on ({detail})",
+                         cls=cls, gain=gain, step=step)
+
+    @staticmethod
+    def _clear(st: _ClassState) -> None:
+        st.window.clear()
+        st.window_steps = 0
+
+    def snapshot(self) -> dict:
+        """Per class: on/off, rolling MAL and acceptance, totals (for /metrics and responses)."""
+        out = {}
+        for c, st in self.classes.items():
+            w = self.window(c)
+            out[c] = {"speculation": st.on or not self.enabled, "probing": st.probing, "switches": st.switches,
+                      "rolling_mal": w.mal, "rolling_acceptance_rate": w.acceptance_rate,
+                      "window_row_steps": w.row_steps, "drafter": self.drafter}
+        return out

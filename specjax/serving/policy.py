@@ -1,0 +1,157 @@
+"""Load-aware throttling: which K the next chunk runs with.
+
+Speculation trades compute for memory traffic. A step at K costs c(B, K) seconds (the target
+verifies K + 1 tokens per row) and emits MAL(K) tokens per row instead of 1, so its expected
+gain over plain decoding is
+
+    gain(B, K) = MAL(K) * c(B, 0) / c_eff(B, K),   c_eff = f * c(B, K) + (1 - f) * c(B, 0)
+
+where f is the fraction of steps that verify (the n-gram drafter skips verification when it has
+no match). When the accelerator is memory-bound (small B) c(B, K) is close to c(B, 0) and any
+MAL > 1 pays; as B grows the verify pass becomes compute-bound, c(B, K) / c(B, 0) grows towards
+K + 1 and the gain falls below 1. Low acceptance (high-entropy text, high temperature) shrinks
+MAL(K) towards 1 with the same effect. The step costs come from the slot engine's warm-up (one
+timed chunk per (bucket, K)) or from a JSON file (`step_costs` in the serving config); MAL(K)
+and f come from the acceptance monitor's rolling window, per latency class.
+
+The rules policy picks, for the running batch, the K that maximises expected weighted
+throughput
+
+    value(K) = sum over classes c of  w_c * n_c * MAL_c(K) / c_eff(B, K)
+
+(n_c rows of class c; a class whose speculation the monitor has switched off counts MAL 1;
+interactive rows weigh `interactive_weight` while no request is queued, 1 otherwise: with a
+queue, every waiting request's latency is throughput). Smoothness: value(K) is continuous in
+the measured inputs and the choice is its argmax over a ladder of K values (0, 1, 2, ...), so
+as the batch grows K steps down one rung at a time where adjacent rungs are worth the same,
+not from K_max straight to 0; a switch needs an expected gain of `margin` over the current K
+(hysteresis), so the throughput at a switch point moves by at most that margin and the policy
+does not flap between neighbours.
+
+Other policies: `always` (K_max, the bench's "speculation always on"), `never` (K = 0) and
+`schedule` (K from a user table by running rows, `configs/serving-policy.yaml`); the monitor's
+fallback applies to `rules` and `schedule`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specjax.serving.config import ServingConfig
+from specjax.serving.monitor import Estimate
+
+
+@dataclasses.dataclass
+class Decision:
+    k: int
+    reason: str
+    value: float = 0.0  # expected weighted tokens per second
+    gain: float = 1.0  # expected gain over K = 0 for the batch
+
+
+class StepCosts:
+    """Seconds per step by batch bucket and K (verify steps for K > 0, plain steps for K = 0)."""
+
+    def __init__(self, table: dict[int, dict[int, float]], source: str):
+        if not table:
+            raise ValueError("empty step-cost table")
+        self.table = {int(b): {int(k): float(c) for k, c in row.items()} for b, row in table.items()}
+        self.source = source
+
+    def cost(self, b: int, k: int) -> float:
+        """The bucket that holds b rows (the largest one if none does); K between measured values
+        is interpolated linearly, beyond them extrapolated from the last two."""
+        buckets = sorted(self.table)
+        bucket = next((x for x in buckets if x >= b), buckets[-1])
+        row = self.table[bucket]
+        if k in row:
+            return row[k]
+        ks = sorted(row)
+        lo = max([x for x in ks if x < k], default=None)
+        hi = min([x for x in ks if x > k], default=None)
+        if lo is None or hi is None:  # extrapolate
+            pair = ks[-2:] if hi is None else ks[:2]
+            if len(pair) < 2:
+                return row[ks[0]]
+            lo, hi = pair
+        slope = (row[hi] - row[lo]) / (hi - lo)
+        return max(row[lo] + slope * (k - lo), 1e-9)
+
+    def effective(self, b: int, k: int, verified: float) -> float:
+        if k == 0:
+            return self.cost(b, 0)
+        return verified * self.cost(b, k) + (1.0 - verified) * self.cost(b, 0)
+
+    def to_dict(self) -> dict:
+        return {str(b): {str(k): c for k, c in row.items()} for b, row in sorted(self.table.items())}
+
+
+class Policy:
+    """Chooses K for the next chunk (see the module docstring)."""
+
+    def __init__(self, cfg: ServingConfig, costs: StepCosts, ks: tuple[int, ...]):
+        self.cfg = cfg
+        self.costs = costs
+        self.ks = tuple(sorted(ks))
+        self.kmax = self.ks[-1]
+
+    def gain(self, est: Estimate, b: int, k: int) -> float:
+        """Expected speed of K relative to plain decoding for rows with this estimate."""
+        if k == 0:
+            return 1.0
+        return est.mal(k) * self.costs.cost(b, 0) / self.costs.effective(b, k, est.verified)
+
+    def best_gain(self, est: Estimate, b: int) -> tuple[float, int]:
+        """(the best expected gain over K > 0, its K); (1.0, 0) when no K > 0 is allowed."""
+        options = [(self.gain(est, b, k), k) for k in self.ks if k > 0]
+        return max(options) if options else (1.0, 0)
+
+    def choose(self, bucket: int, rows: dict[str, int], queued: int, estimates: dict[str, Estimate],
+               spec_on: dict[str, bool], probing: tuple[str, ...], current_k: int) -> Decision:
+        """rows: live rows per class; estimates: per class; spec_on: the monitor's switches."""
+        n = sum(rows.values())
+        mode = self.cfg.policy
+        if mode == "never" or self.kmax == 0:
+            return Decision(0, "policy never: plain decoding")
+        if mode == "always":
+            return Decision(self.kmax, f"policy always: K={self.kmax}")
+        present = [c for c, m in rows.items() if m > 0]
+        if probing:
+            est = estimates[probing[0]]
+            g, k = self.best_gain(est, bucket)
+            return Decision(k, f"probe for class {probing[0]}: K={k} (expected gain {g:.2f} before probing)")
+        if mode == "schedule":
+            k = next((k for rows_max, k in self.cfg.schedule if n <= rows_max), self.cfg.schedule[-1][1])
+            if k and not any(spec_on.get(c, True) for c in present):
+                return Decision(0, f"schedule gives K={k} for {n} rows, but speculation is off for "
+                                   f"{', '.join(present)}")
+            return Decision(k, f"schedule: {n} running rows -> K={k}")
+        return self._rules(bucket, rows, queued, estimates, spec_on, current_k)
+
+    def _rules(self, b, rows, queued, estimates, spec_on, current_k) -> Decision:
+        present = [c for c, m in rows.items() if m > 0]
+        if not present:
+            return Decision(current_k, "no running rows")
+        weight = {c: (self.cfg.interactive_weight if c == "interactive" and queued == 0 else 1.0) for c in present}
+        f = sum(rows[c] * estimates[c].verified for c in present) / sum(rows[c] for c in present)
+
+        def value(k):
+            toks = sum(weight[c] * rows[c] * (estimates[c].mal(k) if spec_on.get(c, True) or k == 0 else 1.0)
+                       for c in present)
+            return toks / self.costs.effective(b, k, f)
+
+        values = {k: value(k) for k in self.ks}
+        best = max(values, key=lambda k: (values[k], -k))  # ties: the smaller K
+        keep = current_k in values and values[best] <= values[current_k] * (1.0 + self.cfg.margin)
+        k = current_k if keep else best
+        gain = values[k] / values[0]
+        off = [c for c in present if not spec_on.get(c, True)]
+        mals = ", ".join(f"MAL_{c}({k})={estimates[c].mal(k):.2f}" for c in present)
+        why = (f"B={b} ({', '.join(f'{rows[c]} {c}' for c in present)}), queue {queued}: K={k} expected "
+               f"{gain:.2f}x plain ({mals}; cost K/0 = {self.costs.effective(b, k, f) / self.costs.cost(b, 0):.2f}"
+               f", f={f:.2f})")
+        if keep and best != current_k:
+            why += f"; K={best} would gain only {values[best] / values[current_k]:.3f}x, kept"
+        if off:
+            why += f"; speculation off for {', '.join(off)}"
+        return Decision(k, why, values[k], gain)

@@ -1,0 +1,306 @@
+"""The slot engine: persistent per-slot decode state for continuous batching.
+
+`Engine.generate` runs a whole batch to completion. A server cannot: requests arrive and finish
+at any time. The slot engine keeps one `LoopState` (specjax/engine.py) of B rows ("slots") alive
+across calls and offers four compiled operations on it:
+
+* `prefill(prompt_ids, ...)` runs one request's prompt through the target (batch 1, prompt
+  bucket T), samples its first token and initialises the drafter: a one-row state;
+* `insert(state, slot, row)` scatters a one-row state into a slot (admission, or resuming a
+  preempted row); `extract(state, slot)` gathers it back out (preemption, bucket resize);
+* `run_chunk(state, K, n)` runs up to n steps of `engine.decode_step` with the drafter at K
+  (a `lax.while_loop` bounded by the step count, all-done, and, on request, the first row to
+  finish, so that a queued request can take its slot).
+
+Every leaf of a state has a leading batch-major dim (`B`, or `B * r` for KV caches stored as
+`[B*KV, ...]`), which is all insert/extract need to know: a one-row leaf is `[r, ...]`.
+
+Shapes are static under XLA: B comes from a fixed set of batch buckets, the cache size S is fixed
+(`max_seq_len + K_max + 2`, rounded up) and the prompt bucket T is a power of two. `warmup()`
+compiles every (bucket, K) chunk, every insert/extract and every prompt bucket before serving,
+and times one step per (bucket, K): the step costs the throttling policy reads. Nothing compiles
+on the hot path afterwards (`compiles_after_warmup` counts, tests check it stays 0).
+
+Drafter state across K switches: every K runs a copy of the same drafter with `num_draft = K`
+over the same state pytree. The state of ngram (none), EAGLE-3 (its one-layer cache and last
+feature) and the draft model (its cache; its `commit` feeds the token a plain step adds) does
+not depend on K, and `decode_step` runs the drafter's `commit` at K = 0 too, so the state is
+current when speculation resumes. The MTP drafter's state does depend on K (its window, and
+module k's cache is only kept current by steps with K >= k); re-initialising it on a switch
+would need a target pass over the whole history, so it is served at one fixed K (`ks = [K]`).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.drafters.base import Drafter, NoDrafter
+from specjax.errors import DrafterError
+from specjax.engine import LoopState, _prefill, bucket_multiple, bucket_pow2, decode_step, init_state
+from specjax.models.loading import Model
+from specjax.sampling import SamplingArrays, SamplingParams
+
+STOP_WIDTH = 8  # stop ids per row: EOS ids + the request's own stop_token_ids
+K_DEPENDENT_STATE = ("mtp",)  # drafters whose state layout / currency depends on K (see above)
+
+
+def with_num_draft(drafter: Drafter, k: int) -> Drafter:
+    """The same drafter (same weights, same state layout) proposing k tokens per step."""
+    d = copy.copy(drafter)
+    d.num_draft = int(k)
+    return d
+
+
+def _put_row(big, small, slot):
+    """big `[B*r, ...]`, small `[r, ...]` -> big with rows slot*r .. slot*r + r - 1 replaced."""
+    r = small.shape[0]
+    v = big.reshape((big.shape[0] // r, r) + big.shape[1:])  # [B, r, ...]
+    v = jax.lax.dynamic_update_slice_in_dim(v, small[None].astype(big.dtype), slot, axis=0)
+    return v.reshape(big.shape)
+
+
+def _take_row(big, like, slot):
+    r = like.shape[0]
+    v = big.reshape((big.shape[0] // r, r) + big.shape[1:])  # [B, r, ...]
+    return jax.lax.dynamic_slice_in_dim(v, slot, 1, axis=0)[0]
+
+
+def _prefill_row(params, dparams, prompt, prompt_len, samp, max_new, stop_ids, key, *, graphdef, cache_size,
+                 drafter, stat_width):
+    """prompt [1, T] -> a one-row LoopState (key None: the batch's key lives in the big state)."""
+    cache, logits, hidden, final = _prefill(graphdef, params, prompt, prompt_len, cache_size=cache_size,
+                                            collect=drafter.hidden_layers, want_final=drafter.needs_final_hidden)
+    st = init_state(dparams, cache, logits, prompt, prompt_len, hidden, final, samp, max_new, stop_ids, key,
+                    drafter=drafter, all_greedy=False, stat_width=stat_width)
+    return st.replace(key=None)
+
+
+def _insert(state, slot, row):
+    rows = jax.tree.map(lambda b, s: _put_row(b, s, slot), state.replace(key=None), row)
+    return rows.replace(key=state.key)
+
+
+def _extract(state, slot, like):
+    return jax.tree.map(lambda b, s: _take_row(b, s, slot), state.replace(key=None), like)
+
+
+def _run_chunk(params, dparams, state, n_steps, exit_on_finish, force_verify, *, graphdef, drafter, implementation):
+    """Up to `n_steps` steps; stops early when every row is done or, with `exit_on_finish`, as
+    soon as a row finishes. `force_verify` (warm-up timing only) verifies every step. Returns
+    the state and the number of steps run."""
+    model = nnx.merge(graphdef, params)
+    done0 = state.done  # [B]
+
+    def cond(c):
+        i, st = c
+        finished = jnp.any(st.done & ~done0)
+        return (i < n_steps) & ~jnp.all(st.done) & ~(exit_on_finish & finished)
+
+    def body(c):
+        i, st = c
+        return i + 1, decode_step(model, dparams, st, drafter=drafter, all_greedy=False,
+                                  implementation=implementation, force_verify=force_verify)
+
+    steps, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+    return state, steps
+
+
+class SlotEngine:
+    """Compiled slot operations for one target, one drafter family, a set of K and batch buckets."""
+
+    def __init__(self, model: Model, drafter: Drafter | None, ks=(0,), buckets=(1, 2, 4, 8),
+                 max_seq_len: int | None = None, implementation: str = "auto", key_seed: int = 0):
+        drafter = drafter or NoDrafter()
+        self.ks = tuple(sorted({int(k) for k in ks}))
+        if not self.ks or self.ks[0] < 0:
+            raise ValueError(f"K values must be >= 0, got {ks}")
+        if self.ks[-1] > 0 and isinstance(drafter, NoDrafter):
+            raise ValueError("K > 0 needs a drafter")
+        if drafter.name in K_DEPENDENT_STATE and (len(self.ks) != 1 or self.ks[0] == 0):
+            raise DrafterError(f"the {drafter.name} drafter's state depends on K, so it cannot switch K "
+                               f"between chunks: serve it with one K > 0 (e.g. ks: [{drafter.num_draft}])")
+        self.buckets = tuple(sorted({int(b) for b in buckets}))
+        if not self.buckets or self.buckets[0] < 1:
+            raise ValueError(f"batch buckets must be >= 1, got {buckets}")
+        self.model = model
+        self.drafter = drafter
+        self.drafter_name = drafter.name
+        self.variants = {k: with_num_draft(drafter, k) for k in self.ks}
+        self.kmax = self.ks[-1]
+        ctx = model.config.max_position_embeddings
+        self.max_seq_len = min(int(max_seq_len or ctx), ctx)
+        # history writes reach hist_len + K; positions past max_seq_len hold only scratch drafts
+        self.cache_size = bucket_multiple(self.max_seq_len + self.kmax + 2, 128)
+        self.stat_width = max(self.kmax, 1)
+        self.implementation = implementation
+        self.dparams = drafter.params()
+        self.params = model.params
+        self._compiled: dict = {}
+        self.compile_seconds = 0.0
+        self.warm = False
+        self.compiles_after_warmup = 0
+        self.step_costs: dict[int, dict[int, float]] = {}  # bucket -> K -> seconds per step
+        self.timing_verified: dict[int, dict[int, float]] = {}  # fraction of timed steps that verified
+        self._key_data = np.asarray(jax.random.key_data(jax.random.key(key_seed)))  # never donated
+        self._row_like = None
+
+    # ---- compiled functions --------------------------------------------------------------------
+
+    def _get(self, name, fn, static: dict, donate: tuple, *args):
+        key = (name, tuple(sorted((k, v.cache_key() if isinstance(v, Drafter) else v) for k, v in static.items()
+                                  if k != "graphdef")),
+               tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
+        exe = self._compiled.get(key)
+        if exe is None:
+            t0 = time.perf_counter()
+            exe = jax.jit(partial(fn, **static), donate_argnums=donate).lower(*args).compile()
+            self.compile_seconds += time.perf_counter() - t0
+            self.compiles_after_warmup += self.warm
+            self._compiled[key] = exe
+        return exe
+
+    def prompt_bucket(self, n: int) -> int:
+        return min(bucket_pow2(n), self.cache_size)
+
+    def prompt_buckets(self) -> list[int]:
+        out, t = [], bucket_pow2(1)
+        while True:
+            out.append(min(t, self.cache_size))
+            if t >= self.max_seq_len or t >= self.cache_size:
+                return out
+            t *= 2
+
+    def row_inputs(self, prompt_ids: list[int], sampling: SamplingParams, stop_ids, seed: int):
+        t = self.prompt_bucket(len(prompt_ids))
+        prompt = np.zeros((1, t), np.int32)
+        prompt[0, : len(prompt_ids)] = prompt_ids
+        stops = np.full((1, STOP_WIDTH), -1, np.int32)
+        stops[0, : len(stop_ids)] = list(stop_ids)[:STOP_WIDTH]
+        return (jnp.asarray(prompt), jnp.asarray([len(prompt_ids)], jnp.int32), SamplingArrays.from_params([sampling]),
+                jnp.asarray([sampling.max_new_tokens], jnp.int32), jnp.asarray(stops),
+                jax.random.fold_in(self.new_key(), seed))
+
+    def prefill(self, prompt_ids: list[int], sampling: SamplingParams, stop_ids=(), seed: int = 0) -> LoopState:
+        """One request -> a one-row state (first token sampled, drafter initialised)."""
+        if len(prompt_ids) + sampling.max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt {len(prompt_ids)} + max_new_tokens {sampling.max_new_tokens} > "
+                             f"max_seq_len {self.max_seq_len}")
+        if len(stop_ids) > STOP_WIDTH:
+            raise ValueError(f"at most {STOP_WIDTH} stop ids per row")
+        args = (self.params, self.dparams) + self.row_inputs(prompt_ids, sampling, stop_ids, seed)
+        static = dict(graphdef=self.model.graphdef, cache_size=self.cache_size, drafter=self.variants[self.kmax],
+                      stat_width=self.stat_width)
+        return self._get("prefill", _prefill_row, static, (), *args)(*args)
+
+    def new_key(self):
+        """A fresh device copy of the base key (states are donated, keys with them)."""
+        return jax.random.wrap_key_data(jnp.array(self._key_data))
+
+    def row_like(self):
+        """Abstract shapes of a one-row state (for extract and empty states)."""
+        if self._row_like is None:
+            args = (self.params, self.dparams) + self.row_inputs([0], SamplingParams(max_new_tokens=1), (), 0)
+            fn = partial(_prefill_row, graphdef=self.model.graphdef, cache_size=self.cache_size,
+                         drafter=self.variants[self.kmax], stat_width=self.stat_width)
+            self._row_like = jax.eval_shape(fn, *args)
+        return self._row_like
+
+    def empty(self, b: int, key=None) -> LoopState:
+        """B free slots: done rows (they write nothing) with harmless contents."""
+        like = self.row_like()
+        st = jax.tree.map(lambda x: jnp.zeros((b * x.shape[0],) + x.shape[1:], x.dtype), like)
+        return st.replace(done=jnp.ones((b,), bool), hist_len=jnp.ones((b,), jnp.int32),
+                          max_new=jnp.ones((b,), jnp.int32), stop_ids=jnp.full((b, STOP_WIDTH), -1, jnp.int32),
+                          key=self.new_key() if key is None else key)
+
+    def free_row(self) -> LoopState:
+        """A one-row free slot, inserted to evict a row (cancelled requests)."""
+        return self.empty(1).replace(key=None)  # one row of B = 1 is a one-row state
+
+    def insert(self, state: LoopState, slot: int, row: LoopState) -> LoopState:
+        return self._get("insert", _insert, {}, (0,), state, jnp.int32(slot), row)(state, jnp.int32(slot), row)
+
+    def extract(self, state: LoopState, slot: int) -> LoopState:
+        like = self.row_like()
+        fn = self._get("extract", partial(_extract, like=like), {}, (), state, jnp.int32(slot))
+        return fn(state, jnp.int32(slot))
+
+    def run_chunk(self, state: LoopState, k: int, n_steps: int, exit_on_finish: bool = False):
+        """-> (state, steps run). The state is donated: use only the returned one."""
+        static = dict(graphdef=self.model.graphdef, drafter=self.variants[k], implementation=self.implementation)
+        args = (self.params, self.dparams, state, jnp.int32(n_steps), jnp.asarray(exit_on_finish),
+                jnp.asarray(False))
+        state, steps = self._get("chunk", _run_chunk, static, (2,), *args)(*args)
+        return state, int(steps)
+
+    def resize(self, state: LoopState, slots: list[int], b: int) -> LoopState:
+        """A state of b slots holding the rows of `slots` (in that order) at slots 0.."""
+        assert len(slots) <= b
+        new = self.empty(b, key=state.key)
+        for j, s in enumerate(slots):
+            new = self.insert(new, j, self.extract(state, s))
+        return new
+
+    # ---- warm-up -------------------------------------------------------------------------------
+
+    def _timing_state(self, b: int, k: int):
+        """B live rows of a repetitive prompt, room for the timed steps, no stop ids."""
+        pattern = ([101, 102, 103, 104, 105, 106, 107] * 3)[: max(self.max_seq_len // 2, 1)]
+        room = self.max_seq_len - len(pattern)
+        row = self.prefill(pattern, SamplingParams(max_new_tokens=max(room, 1), ignore_eos=True))
+        state = self.empty(b)
+        for s in range(b):
+            state = self.insert(state, s, row)
+        return state
+
+    def _time_chunk(self, b: int, k: int, steps: int, reps: int) -> tuple[float, float]:
+        """(min seconds per step, fraction of row-steps that verified) over `reps` timed chunks
+        of B live rows, every step verifying K + 1 tokens (`force_verify`: the n-gram drafter
+        would skip verification without a match and time plain steps instead)."""
+        static = dict(graphdef=self.model.graphdef, drafter=self.variants[k], implementation=self.implementation)
+        best, verified = float("inf"), 1.0
+        for rep in range(reps + 1):  # the first run compiles and warms
+            state = self._timing_state(b, k)
+            args = (self.params, self.dparams, state, jnp.int32(steps), jnp.asarray(False), jnp.asarray(k > 0))
+            exe = self._get("chunk", _run_chunk, static, (2,), *args)
+            t0 = time.perf_counter()
+            state, n = exe(*args)
+            n = int(n)
+            dt = time.perf_counter() - t0
+            if rep and n:
+                best = min(best, dt / n)
+                row_steps = max(int(np.asarray(state.steps).sum()), 1)
+                verified = float(np.asarray(state.checked)[:, 0].sum()) / row_steps if k else 0.0
+        return best, verified
+
+    def warmup(self, time_steps: int = 4, reps: int = 2, measure: bool = True, log=None) -> dict:
+        """Compile everything the scheduler can call; time one step per (bucket, K). Returns the
+        step-cost table {bucket: {K: seconds}} (also kept as `step_costs`)."""
+        log = log or (lambda msg: None)
+        t0 = time.perf_counter()
+        for t in self.prompt_buckets():
+            self.prefill([101] * min(t, self.max_seq_len - 1), SamplingParams(max_new_tokens=1))
+        row = self.free_row()
+        for b in self.buckets:
+            state = self.empty(b)
+            state = self.insert(state, 0, row)
+            self.extract(state, 0)
+            for k in self.ks:
+                if not measure:
+                    self.run_chunk(self.empty(b), k, 1)
+                    continue
+                cost, verified = self._time_chunk(b, k, time_steps, reps)
+                self.step_costs.setdefault(b, {})[k] = cost
+                self.timing_verified.setdefault(b, {})[k] = verified
+            log(f"bucket {b}: " + ", ".join(f"K={k} {c * 1e3:.2f} ms" for k, c in self.step_costs.get(b, {}).items()))
+        self.warm = True
+        log(f"warm-up: {len(self._compiled)} compiled functions in {time.perf_counter() - t0:.1f} s "
+            f"({self.compile_seconds:.1f} s compiling)")
+        return self.step_costs

@@ -1,0 +1,327 @@
+"""`specjax serve` over HTTP on loopback (issue 6): the official openai client (completions, chat,
+streaming) gets `specjax generate`'s greedy text; a bounded load test with concurrent clients of
+both latency classes; bad requests get 400s while the server keeps serving; a client that
+disconnects frees its row; /metrics, /health, /v1/models; latency class from field, key, route.
+
+A tiny random model with the real tokenizer serves most tests; one test runs the real default
+model with K switching every chunk."""
+
+import json
+import statistics
+import subprocess
+import threading
+import time
+import types
+
+import httpx
+import pytest
+
+import specjax
+from specjax.drafters import make_drafter
+from specjax.engine import Engine
+from specjax.generate import encode_prompt
+from specjax.sampling import SamplingParams
+from specjax.serving.config import ServingConfig
+from specjax.serving.scheduler import Scheduler, build_scheduler
+from specjax.serving.server import ServerThread, build_app
+from specjax.serving.slots import SlotEngine
+
+from helpers import hf_llama_config, specjax_cli_cmd
+
+openai = pytest.importorskip("openai")
+
+NAME = "tiny-chat"
+# Speculation is cheap alone and far too expensive at 2 rows: K must fall under load.
+COSTS = {1: {0: 1.0, 3: 1.05}, 2: {0: 1.0, 3: 6.0}}
+PROMPTS = ["Tell me about the sea.", "Write a haiku about autumn leaves.", "What is 2 + 2?",
+           "List three colours.", "Describe a cat.", "Why is the sky blue?", "Name a river in Europe.",
+           "Say hello in French.", "Count to five.", "What is a prime number?", "Give me a recipe.",
+           "Explain gravity briefly."]
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory, default_model):
+    """A tiny random HF checkpoint (context 256) with the default model's tokenizer."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    d = str(tmp_path_factory.mktemp("tiny_chat"))
+    torch.manual_seed(0)
+    cfg = hf_llama_config(vocab_size=default_model.config.vocab_size, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                          max_position_embeddings=256, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
+    default_model.tokenizer.save_pretrained(d)
+    return d
+
+
+def start(model, sched: Scheduler, name: str):
+    sched.start()
+    srv = ServerThread(build_app(sched, model, name)).start()
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(chat_dir):
+    model = specjax.load_model(chat_dir, dtype="float32")
+    cfg = ServingConfig(buckets=(1, 2), ks=(0, 3), chunk_steps=4, max_seq_len=128, step_costs=COSTS,
+                        min_run_steps=2, api_keys={"sk-batch": "batch"}).validate()
+    sched = build_scheduler(model, "ngram", cfg)
+    srv = start(model, sched, NAME)
+    yield types.SimpleNamespace(url=srv.url, sched=sched, model=model, dir=chat_dir)
+    srv.stop()
+    sched.stop()
+
+
+def client(url: str, key: str = "sk-test"):
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def cli_generate(model_dir: str | None, prompts: list[str], max_new: int, raw: bool) -> list[str]:
+    cmd = specjax_cli_cmd() + ["generate", "--json", "--max-new-tokens", str(max_new)]
+    cmd += ["--model", model_dir] if model_dir else []
+    cmd += (["--raw"] if raw else []) + prompts
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line)["text"] for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def test_openai_client_matches_specjax_generate(server):
+    oa = client(server.url)
+    chat_ref = cli_generate(server.dir, PROMPTS[:2], 20, raw=False)
+    raw_ref = cli_generate(server.dir, PROMPTS[2:4], 20, raw=True)
+    for prompt, ref in zip(PROMPTS[:2], chat_ref):
+        r = oa.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=20,
+                                       temperature=0)
+        assert r.choices[0].message.content == ref and r.choices[0].message.role == "assistant"
+        stream = oa.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref
+        usage = chunks[-1].usage.model_dump()
+        assert usage["completion_tokens"] == r.usage.completion_tokens
+        spec = usage["specjax"]
+        assert spec["drafter"] == "ngram" and spec["mean_accepted_length"] >= 1.0
+        assert spec["latency_class"] == "interactive"
+    for prompt, ref in zip(PROMPTS[2:4], raw_ref):
+        r = oa.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0)
+        assert r.choices[0].text == ref
+        stop = ref[len(ref) // 2: len(ref) // 2 + 3]
+        if stop.strip():  # a stop string ends the text right before it
+            s = oa.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
+            assert s.choices[0].text == ref[: ref.index(stop)] and s.choices[0].finish_reason == "stop"
+        assert r.usage.model_dump()["specjax"]["steps"] >= 1
+        streamed = "".join(c.choices[0].text for c in oa.completions.create(
+            model=NAME, prompt=prompt, max_tokens=20, temperature=0, stream=True))
+        assert streamed == ref
+    assert server.sched.engine.compiles_after_warmup == 0
+
+
+def test_models_health_metrics_and_classes(server):
+    oa = client(server.url)
+    assert [m.id for m in oa.models.list().data] == [NAME]
+    h = httpx.get(server.url + "/health").json()
+    assert h["status"] == "ok" and h["model"] == NAME
+    msg = [{"role": "user", "content": "Hi"}]
+
+    def cls_of(**kw):
+        c = client(kw.pop("base", server.url), kw.pop("key", "sk-test"))
+        r = c.chat.completions.create(model=NAME, messages=msg, max_tokens=2, **kw)
+        return r.usage.model_dump()["specjax"]["latency_class"]
+
+    assert cls_of() == "interactive"  # the server's default
+    assert cls_of(extra_body={"latency_class": "batch"}) == "batch"  # request field
+    assert cls_of(key="sk-batch") == "batch"  # API key
+    assert cls_of(key="sk-batch", extra_body={"latency_class": "interactive"}) == "interactive"
+    assert cls_of(base=server.url + "/batch") == "batch"  # route
+    text = httpx.get(server.url + "/metrics").text
+    for series in ("specjax_steps_total", "specjax_requests_total", "specjax_queue_depth", "specjax_running_batch",
+                   "specjax_num_draft", "specjax_time_to_first_token_seconds_bucket",
+                   "specjax_inter_token_latency_seconds_count", "specjax_mean_accepted_length",
+                   "specjax_speculation_enabled"):
+        assert series in text, series
+    assert 'specjax_requests_total{class="batch",status="finished"}' in text
+
+
+BAD = [
+    (b'{"model": "tiny-chat", "prompt": "hi"', "malformed JSON"),
+    (b'[1, 2]', "JSON object"),
+    ({"model": "gpt-4", "prompt": "hi"}, "not served"),
+    ({"prompt": "hi"}, "'model' is required"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ({"model": NAME, "prompt": "hi " * 200, "max_tokens": 4}, "context"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": 200}, "exceeds"),
+    ({"model": NAME, "prompt": "hi", "temperature": -1}, "temperature"),
+    ({"model": NAME, "prompt": "hi", "temperature": "hot"}, "temperature"),
+    ({"model": NAME, "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": NAME, "prompt": "hi", "n": 2}, "n=1"),
+    ({"model": NAME, "prompt": "hi", "logprobs": 3}, "logprobs"),
+    ({"model": NAME, "prompt": ""}, "prompt"),
+    ({"model": NAME, "prompt": [10**9]}, "token ids"),
+    ({"model": NAME, "prompt": "hi", "latency_class": "urgent"}, "latency_class"),
+    ({"model": NAME, "prompt": "hi", "stop": [1]}, "stop"),
+]
+
+
+def test_bad_requests_get_400_and_the_server_keeps_serving(server):
+    for body, needle in BAD:
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = httpx.post(server.url + "/v1/completions", headers={"Content-Type": "application/json"}, **kw)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert needle in err["message"] and err["type"] == "invalid_request_error", (needle, err)
+    for body, needle in [({"model": NAME, "messages": []}, "messages"),
+                         ({"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
+                         ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+                          "max_tokens")]:
+        r = httpx.post(server.url + "/v1/chat/completions", json=body)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert httpx.get(server.url + "/v1/nothing").status_code == 404
+    with pytest.raises(openai.BadRequestError, match="not served"):
+        client(server.url).completions.create(model="other", prompt="x", max_tokens=2)
+    r = client(server.url).completions.create(model=NAME, prompt="still there?", max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def _metric(url: str, line_prefix: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(line_prefix + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_client_disconnect_frees_its_row(server, monkeypatch):
+    key = 'specjax_requests_total{class="batch",status="cancelled"}'
+    before = _metric(server.url, key)
+    run_chunk = server.sched.engine.run_chunk
+
+    def slow_chunk(*a, **kw):  # the tiny model would finish before the client is seen to leave
+        time.sleep(0.2)
+        return run_chunk(*a, **kw)
+
+    monkeypatch.setattr(server.sched.engine, "run_chunk", slow_chunk)
+    body = {"model": NAME, "prompt": "Go on forever", "max_tokens": 100, "ignore_eos": True, "temperature": 0,
+            "stream": True, "latency_class": "batch"}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", server.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the first token arrived: the request holds a row
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    deadline = time.time() + 30
+    while time.time() < deadline and _metric(server.url, key) < before + 2:
+        time.sleep(0.2)
+    assert _metric(server.url, key) == before + 2
+    assert not any(server.sched.slots)
+    r = client(server.url).completions.create(model=NAME, prompt="next", max_tokens=2)
+    assert r.choices[0].text is not None
+
+
+def test_load_two_classes(server):
+    """2 batch streaming clients (2 requests each) and 2 interactive ones that keep sending until the
+    batch clients are done, 2 rows at most: nothing lost or duplicated, each reply is its prompt's
+    greedy text; interactive requests are admitted first and batch rows are parked for them, so
+    interactive time to first token and inter-token latency stay below batch's; K falls while
+    the batch is full and returns after."""
+    n_tok, per_batch_client, max_interactive = 16, 2, 15
+    model = server.model
+    ids = [encode_prompt(model, p) for p in PROMPTS]
+    sp = SamplingParams(max_new_tokens=n_tok, ignore_eos=True)
+    ref = [model.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+           for r in Engine(model).generate(ids, [sp] * len(ids))]
+    seq = 0
+    lock = threading.Lock()
+    results, errors = [], []
+    batch_done = threading.Event()
+
+    def run_client(cls: str):
+        nonlocal seq
+        with httpx.Client(timeout=300) as c:
+            for n in range(per_batch_client if cls == "batch" else max_interactive):
+                if cls == "interactive" and batch_done.is_set():
+                    return
+                with lock:
+                    i, seq = seq % len(PROMPTS), seq + 1
+                body = {"model": NAME, "messages": [{"role": "user", "content": PROMPTS[i]}], "max_tokens": n_tok,
+                        "temperature": 0, "ignore_eos": True, "stream": True, "latency_class": cls,
+                        "stream_options": {"include_usage": True}}
+                parts, usage, rid = [], None, None
+                with c.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+                    if r.status_code != 200:
+                        errors.append(r.read())
+                        return
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        ev = json.loads(line[6:])
+                        rid = ev["id"]
+                        usage = ev.get("usage") or usage
+                        parts += [ch["delta"].get("content") or "" for ch in ev["choices"]]
+                with lock:
+                    results.append(dict(cls=cls, i=i, id=rid, text="".join(parts), usage=usage))
+
+    batch = [threading.Thread(target=run_client, args=("batch",)) for _ in range(2)]
+    inter = [threading.Thread(target=run_client, args=("interactive",)) for _ in range(2)]
+    for t in inter + batch:
+        t.start()
+    for t in batch:
+        t.join(600)
+    batch_done.set()
+    for t in inter:
+        t.join(600)
+    assert not errors, errors
+    n_batch = sum(r["cls"] == "batch" for r in results)
+    assert n_batch == 2 * per_batch_client and len(results) > n_batch + 2
+    assert len({r["id"] for r in results}) == len(results) == seq  # every request answered once
+    for r in results:
+        assert r["usage"]["completion_tokens"] == n_tok and r["text"] == ref[r["i"]], r
+
+    def mean(cls, field):  # as the server measured them (token emission times, no HTTP jitter)
+        return statistics.mean(r["usage"]["specjax"][field] for r in results if r["cls"] == cls)
+
+    lat = {(c, f): mean(c, f) for c in ("interactive", "batch") for f in ("time_to_first_token",
+                                                                        "inter_token_latency")}
+    print("load test latencies (s):", lat)
+    assert lat["interactive", "time_to_first_token"] < lat["batch", "time_to_first_token"], lat
+    assert lat["interactive", "inter_token_latency"] < lat["batch", "inter_token_latency"], lat
+    assert sum(r["usage"]["specjax"]["preemptions"] for r in results if r["cls"] == "batch") > 0
+    # K under load and after: alone again, a request speculates
+    solo = client(server.url).chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=24, temperature=0,
+        extra_body={"ignore_eos": True})
+    ks = [(d["bucket"], d["k"]) for d in httpx.get(server.url + "/specjax/decisions").json()["decisions"]
+          if d["kind"] == "k"]
+    assert (2, 0) in ks, ks
+    assert "3" in solo.usage.model_dump()["specjax"]["steps_by_k"]
+    assert sum(r["usage"]["specjax"]["steps_by_k"].get("0", 0) for r in results) > 0
+    assert server.sched.engine.compiles_after_warmup == 0
+
+
+@pytest.mark.slow
+def test_real_model_openai_matches_generate_with_k_switching(default_model):
+    """The default model through the server, K alternating 0 / 3 every chunk: the openai client
+    gets exactly `specjax generate`'s greedy text (chat template) and the raw completion."""
+    prompt = "Write a Python function that reverses a string."
+    ref_chat = cli_generate(None, [prompt], 24, raw=False)[0]
+    ref_raw = specjax.generate("def fibonacci(n):", model=default_model, max_new_tokens=24, raw=True)[0].text
+    engine = SlotEngine(default_model, make_drafter("ngram", 3, default_model), ks=(0, 3), buckets=(1,),
+                        max_seq_len=128)
+    engine.warmup(measure=False)
+    cfg = ServingConfig(buckets=(1,), ks=(0, 3), chunk_steps=2, max_seq_len=128, step_costs={1: {0: 1.0, 3: 1.0}})
+    flip = iter(range(10**6))
+    sched = Scheduler(engine, cfg.validate(), eos_ids=default_model.config.eos_token_ids,
+                      k_override=lambda b, rows: 3 * (next(flip) % 2))
+    srv = start(default_model, sched, "smollm2")
+    try:
+        oa = client(srv.url)
+        r = oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=24, temperature=0)
+        assert r.choices[0].message.content == ref_chat
+        assert set(r.usage.model_dump()["specjax"]["steps_by_k"]) == {"0", "3"}
+        c = oa.completions.create(model="smollm2", prompt="def fibonacci(n):", max_tokens=24, temperature=0)
+        assert c.choices[0].text == ref_raw
+    finally:
+        srv.stop()
+        sched.stop()

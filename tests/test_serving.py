@@ -1,0 +1,374 @@
+"""Serving scheduler (issue 6), in-process on a tiny random model: continuous batching over
+persistent slots, K switches mid-request, preemption and bucket resizes stay token-identical to
+plain decoding; throttling (K falls as the running batch grows and comes back); the acceptance
+monitor's fallback and its probes; metrics; the policy's arithmetic; the YAML config."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.drafters.base import Proposal
+from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.ngram import NgramDrafter
+from specjax.engine import Engine
+from specjax.errors import SpecjaxError
+from specjax.models.config import tiny
+from specjax.models.loading import random_model
+from specjax.sampling import SamplingParams
+from specjax.serving.config import MonitorConfig, ServingConfig, load_config
+from specjax.serving.metrics import ServingMetrics
+from specjax.serving.monitor import AcceptanceMonitor, DecisionLog, Estimate, Sample
+from specjax.serving.policy import Policy, StepCosts
+from specjax.serving.scheduler import Request, Scheduler
+from specjax.serving.slots import SlotEngine
+
+from helpers import REPO
+
+V = 512
+KS = (0, 3)  # few variants: each (bucket, K) chunk compiles at warm-up (the ladder: pure tests below)
+BUCKETS = (1, 2)
+# Synthetic step costs (seconds per step): speculation is nearly free at B = 1 and too expensive
+# at B = 2 even when every draft is accepted, so the rules policy must drop K as the batch grows.
+COSTS = {1: {0: 1.0, 3: 1.1}, 2: {0: 1.0, 3: 5.0}}
+FLAT = {b: {0: 1.0, 3: 1.2} for b in BUCKETS}  # speculation cheap at every batch size
+MAX_SEQ = 64
+
+
+class HotRandomDrafter(DraftModelDrafter):
+    """The target as its own draft model (greedy drafts all accepted), except for rows sampled
+    at temperature > 1, which get uniformly random drafts: a drafter forced to propose poorly
+    whenever the traffic runs hot, and perfectly when it cools down."""
+
+    name = "hot-random"
+
+    def propose(self, dparams, state, ctx):
+        p, state = super().propose(dparams, state, ctx)
+        hot = ctx.sampling.temperature > 1.0  # [B]
+        rnd = jax.random.randint(jax.random.fold_in(ctx.key, 7), p.draft.shape, 0, V)  # [B, K]
+        draft = jnp.where(hot[:, None], rnd, p.draft)
+        q = None if p.q is None else jnp.where(hot[:, None, None], jax.nn.one_hot(rnd, V), p.q)
+        return Proposal(draft, q), state
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_model(tiny(vocab_size=V, num_layers=2, max_position_embeddings=256), seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(target):
+    e = SlotEngine(target, HotRandomDrafter(max(KS), target, target.config), ks=KS, buckets=BUCKETS,
+                   max_seq_len=MAX_SEQ)
+    e.warmup(measure=True)
+    return e
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.RandomState(0)
+    return [list(map(int, rng.randint(3, V - 3, size=rng.randint(3, 24)))) for _ in range(10)]
+
+
+def config(**kw) -> ServingConfig:
+    base = dict(buckets=BUCKETS, ks=KS, chunk_steps=2, step_costs=COSTS, min_run_steps=2, max_seq_len=MAX_SEQ)
+    base.update(kw)
+    return ServingConfig(**base).validate()
+
+
+def drain(sched: Scheduler, reqs, limit: int = 2000) -> None:
+    for _ in range(limit):
+        if all(r.done.is_set() for r in reqs):
+            return
+        sched.iteration()
+    raise AssertionError("requests did not finish")
+
+
+def test_warmup_times_every_bucket_and_k(engine):
+    assert set(engine.step_costs) == set(BUCKETS)
+    for b in BUCKETS:
+        assert set(engine.step_costs[b]) == set(KS) and min(engine.step_costs[b].values()) > 0
+    assert engine.compiles_after_warmup == 0
+
+
+def test_ngram_warmup_times_verify_steps(target):
+    """The n-gram drafter skips verification without a match; the warm-up forces verification
+    (same compiled chunk), so K > 0 costs are verify costs."""
+    e = SlotEngine(target, NgramDrafter(2), ks=(0, 2), buckets=(1,), max_seq_len=32)
+    costs = e.warmup(measure=True, reps=1)
+    assert costs[1][0] > 0 and costs[1][2] > 0
+    assert e.timing_verified[1][2] == 1.0 and e.compiles_after_warmup == 0
+
+
+def test_greedy_identical_across_k_switches_preemption_and_resizes(engine, target, prompts):
+    """Random K per chunk, 1-2 step chunks, interactive requests preempting batch rows, buckets
+    growing and shrinking, hot sampled rows in the same batches: every greedy row equals plain
+    decoding token for token, and (self-drafting) every greedy draft is accepted, so the draft
+    model's cache stayed in sync through the K = 0 chunks."""
+    sp = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    ref = [r.token_ids for r in Engine(target).generate(prompts, [sp] * len(prompts))]
+    rng = np.random.RandomState(1)
+    sched = Scheduler(engine, config(chunk_steps=1), k_override=lambda b, rows: int(rng.choice(KS)))
+    greedy, hot = [], []
+    for i, p in enumerate(prompts):
+        cls = "interactive" if i % 3 == 2 else "batch"
+        greedy.append(sched.submit(Request(p, sp, cls)))
+        if i % 4 == 0:
+            hot.append(sched.submit(Request(p, SamplingParams(temperature=1.5, max_new_tokens=12, seed=i), "batch")))
+        for _ in range(3):
+            sched.iteration()
+    drain(sched, greedy + hot)
+    for r, want in zip(greedy, ref):
+        assert r.token_ids == want and r.finish_reason == "length"
+        assert len(r.k_steps) >= 2, r.k_steps  # the request saw several K
+        assert (r.sample.accepted == r.sample.checked).all()
+    assert all(len(r.token_ids) == 12 for r in hot)
+    kinds = {d["kind"] for d in sched.log.recent()}
+    assert {"preempt", "resume", "bucket"} <= kinds, kinds
+    assert sum(r.preemptions for r in greedy) > 0
+    assert engine.compiles_after_warmup == 0
+
+
+def test_eagle3_state_survives_plain_chunks():
+    """EAGLE-3's state does not depend on K and its commit runs in plain steps too: after chunks
+    at K = 3 and K = 0, its cache and last feature equal those of a fresh prefill of the same
+    history."""
+    from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_weights, vocab_maps
+
+    t = random_model(tiny(num_layers=4), seed=1)
+    d2t, _ = vocab_maps(np.random.RandomState(0).randint(0, 100, t.config.vocab_size), 64)
+    w = init_weights(Eagle3Config.for_target(t.config, draft_vocab_size=64, target_layers=(0, 1, 3)), d2t, seed=3)
+    e = SlotEngine(t, Eagle3Drafter(3, w, t), ks=(0, 3), buckets=(1,), max_seq_len=64)
+    e.warmup(measure=False)
+    st = e.insert(e.empty(1), 0, e.prefill([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=40, ignore_eos=True)))
+    for k in (3, 0, 0, 3, 0):
+        st, _ = e.run_chunk(st, k, 2)
+    h = int(st.hist_len[0])
+    hist = np.asarray(st.history)[0, :h].tolist()
+    fresh = e.prefill(hist[:-1], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert int(np.asarray(fresh.history)[0, h - 1]) == hist[-1]
+    a, b = st.draft_state, fresh.draft_state
+    m = h - 1
+    assert int(a.cache.lengths[0]) == int(b.cache.lengths[0]) == m
+    np.testing.assert_allclose(a.g_last, b.g_last, atol=2e-4)
+    np.testing.assert_allclose(a.cache.k[0][:, :m], b.cache.k[0][:, :m], atol=2e-4)
+    np.testing.assert_allclose(a.cache.v[0][:, :, :m], b.cache.v[0][:, :, :m], atol=2e-4)
+
+
+def test_cancel_frees_the_row(engine, prompts):
+    sched = Scheduler(engine, config())
+    long = sched.submit(Request(prompts[0], SamplingParams(max_new_tokens=40, ignore_eos=True), "batch"))
+    other = sched.submit(Request(prompts[1], SamplingParams(max_new_tokens=20, ignore_eos=True), "batch"))
+    for _ in range(3):
+        sched.iteration()
+    assert long in sched.slots
+    sched.cancel(long.id)
+    sched.iteration()
+    assert long.finish_reason == "cancelled" and long not in sched.slots
+    drain(sched, [other])
+    assert len(other.token_ids) == 20 and not any(sched.slots)
+    assert sched.metrics.requests.value(**{"class": "batch"}, status="cancelled") == 1
+
+
+def test_k_falls_as_the_batch_grows_and_returns(engine, prompts):
+    sched = Scheduler(engine, config())
+    seen = []
+    choose = sched._choose
+
+    def record(rows, queued):
+        k, n = choose(rows, queued)
+        seen.append((sched.bucket, k))
+        return k, n
+
+    sched._choose = record
+    sp = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    first = sched.submit(Request(prompts[0], sp, "batch"))
+    for _ in range(3):
+        sched.iteration()
+    crowd = [sched.submit(Request(p, sp, "batch")) for p in prompts[1:3]]
+    drain(sched, [first] + crowd)
+    last = sched.submit(Request(prompts[5], sp, "batch"))
+    drain(sched, [last])
+    ks_at = {b: [k for bb, k in seen if bb == b] for b in BUCKETS}
+    assert ks_at[1][0] == 3 and ks_at[1][-1] == 3  # alone: full speculation, before and after
+    assert ks_at[2] and set(ks_at[2]) == {0}  # crowded: throttled down to plain decoding
+    assert seen.index((2, 0)) < len(seen) - 1 - seen[::-1].index((1, 3))  # ... and it came back
+    reasons = [d["reason"] for d in sched.log.recent() if d["kind"] == "k"]
+    assert any("expected" in r and "B=2" in r for r in reasons)
+    assert sched.monitor.spec_on("batch")  # throttling is not the fallback
+
+
+def test_fallback_switches_off_and_back_on(engine, prompts):
+    """Hot traffic (random drafts) switches speculation off for its class within a bounded
+    number of steps; after the traffic cools, a probe switches it back on. /metrics shows both."""
+    mon = MonitorConfig(window_steps=16, min_steps=6, probe_every=8, probe_steps=4)
+    sched = Scheduler(engine, config(monitor=mon, step_costs=FLAT))
+    hot = SamplingParams(temperature=1.5, max_new_tokens=30, ignore_eos=True, seed=3)
+    reqs = [sched.submit(Request(p, hot, "batch")) for p in prompts[:2]]
+    off_at = None
+    for _ in range(60):
+        sched.iteration()
+        if not sched.monitor.spec_on("batch"):
+            off_at = sched.steps
+            break
+    assert off_at is not None and off_at <= mon.min_steps + sched.cfg.chunk_steps + 2
+    text = sched.metrics.render()
+    assert 'specjax_speculation_enabled{class="batch"} 0' in text
+    assert 'specjax_speculation_switches_total{class="batch",to="off"} 1' in text
+    assert sched.monitor.spec_on("interactive")  # per class
+    sched.cancel(reqs[0].id)
+    sched.cancel(reqs[1].id)
+    cool = [sched.submit(Request(p, SamplingParams(max_new_tokens=30, ignore_eos=True), "batch"))
+            for p in prompts[2:4]]
+    drain(sched, cool)
+    kinds = [d["kind"] for d in sched.log.recent()]
+    assert kinds.index("spec_off") < kinds.index("probe") < kinds.index("spec_on"), kinds
+    assert sched.monitor.spec_on("batch")
+    assert 'specjax_speculation_enabled{class="batch"} 1' in sched.metrics.render()
+    off = next(d for d in sched.log.recent() if d["kind"] == "spec_off")
+    assert "expected gain" in off["reason"] and "MAL" in off["reason"]
+
+
+def test_exploration_measures_a_drafter_the_prior_undersells(engine, prompts):
+    """Costs where the prior acceptance says speculation does not pay, a drafter that is in fact
+    perfect: an exploration probe measures it and the policy switches to K > 0."""
+    mon = MonitorConfig(min_steps=4, probe_steps=2, window_steps=16)
+    sched = Scheduler(engine, config(step_costs={1: {0: 1.0, 3: 2.8}, 2: {0: 1.0, 3: 2.8}}, monitor=mon))
+    req = sched.submit(Request(prompts[0], SamplingParams(max_new_tokens=40, ignore_eos=True), "interactive"))
+    drain(sched, [req])
+    kinds = [d["kind"] for d in sched.log.recent()]
+    assert kinds.index("probe") < kinds.index("explored"), kinds
+    assert req.k_steps[3] > 0 and req.k_steps[0] <= 2, req.k_steps  # plain only before the probe
+    assert req.sample.mal > 2.5
+
+
+def test_interactive_admitted_first(engine, prompts):
+    sched = Scheduler(engine, config(buckets=(1,), preempt=False))
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    batch = [sched.submit(Request(p, sp, "batch")) for p in prompts[:3]]
+    inter = sched.submit(Request(prompts[3], sp, "interactive"))
+    drain(sched, batch + [inter])
+    assert inter.first_token_time < min(r.first_token_time for r in batch[1:])
+
+
+def test_load_sweep_point_and_summary(engine, target, prompts):
+    """The serve-bench machinery on the tiny engine: every mode at two loads, nothing lost."""
+    from specjax.serving import loadbench
+
+    pool = {"interactive": prompts[:4], "batch": prompts[4:8]}
+    points = [loadbench.run_point(engine, config(), (), mode, c, 4, pool, 8, 0.5)
+              for c in (1, 2) for mode in loadbench.MODES]
+    for p in points:
+        assert p["requests"] == 4 and p["tokens"] == 4 * 8 and p["tokens_per_second"] > 0
+    assert set(points[0]["steps_by_k"]) == {"3"} and set(points[1]["steps_by_k"]) == {"0"}  # always / never
+    summary = loadbench.summarize(points)
+    assert [s["clients"] for s in summary] == [1, 2] and all("rules_vs_best_fixed" in s for s in summary)
+
+
+# ---- pure Python parts ---------------------------------------------------------------------------
+
+
+def test_step_costs_interpolate():
+    c = StepCosts({1: {0: 1.0, 2: 2.0, 4: 4.0}, 4: {0: 2.0, 4: 6.0}}, "test")
+    assert c.cost(1, 3) == pytest.approx(3.0) and c.cost(3, 2) == pytest.approx(4.0)
+    assert c.cost(9, 0) == 2.0  # beyond the largest bucket: the largest
+    assert c.effective(1, 2, 0.5) == pytest.approx(1.5)
+
+
+def _policy(costs, **kw):
+    cfg = ServingConfig(ks=(0, 1, 2, 3, 4), buckets=tuple(costs), step_costs=costs, **kw).validate()
+    return Policy(cfg, StepCosts(costs, "test"), cfg.ks)
+
+
+def test_policy_ladder_is_monotone_and_smooth():
+    """K steps down one rung at a time as the verify cost grows, and the chosen expected
+    throughput is continuous across the switch points (no cliff)."""
+    est = {"batch": Estimate(1.0, [0.7] * 4, 100), "interactive": Estimate(1.0, [0.7] * 4, 100)}
+    on = {"batch": True, "interactive": True}
+    prev_k, prev_v, ks = None, None, []
+    for s in np.linspace(0.0, 1.0, 201):  # cost of a verified token relative to a plain step
+        costs = {1: {k: 1.0 + s * k for k in range(5)}}
+        pol = _policy(costs, margin=0.0)
+        d = pol.choose(1, {"batch": 1, "interactive": 0}, 0, est, on, (), prev_k if prev_k is not None else 4)
+        if prev_v is not None:
+            assert abs(d.value - prev_v) / prev_v < 0.02  # a step of s moves value by < 2 %
+        prev_k, prev_v = d.k, d.value
+        ks.append(d.k)
+    assert ks[0] == 4 and ks[-1] == 0 and ks == sorted(ks, reverse=True)
+    assert set(ks) == {0, 1, 2, 3, 4}  # every rung used on the way down
+
+
+def test_policy_hysteresis_and_fallback_inputs():
+    costs = {1: {0: 1.0, 1: 1.1, 2: 1.4, 3: 1.7, 4: 2.0}}
+    pol = _policy(costs, margin=0.05)
+    est = {"batch": Estimate(1.0, [0.5, 0.5, 0.5, 0.5], 100), "interactive": Estimate(1.0, [0.5] * 4, 100)}
+    on = {"batch": True, "interactive": True}
+    best = pol.choose(1, {"batch": 1, "interactive": 0}, 0, est, on, (), 0)
+    assert best.k == 1  # MAL(1) / cost = 1.5 / 1.1 beats 1.75 / 1.4 and plain's 1 / 1
+    assert "expected" in best.reason
+    # hysteresis: a clear gain switches (1.36 > 1.25 * 1.05), a near-tie keeps the current K
+    assert pol.choose(1, {"batch": 1, "interactive": 0}, 0, est, on, (), 2).k == 1
+    tie = _policy({1: {0: 1.0, 1: 1.1, 2: 1.27}}, margin=0.05)
+    assert tie.choose(1, {"batch": 1}, 0, est, on, (), 0).k == 2  # 1.378 / 1.364 / 1.0
+    assert tie.choose(1, {"batch": 1}, 0, est, on, (), 1).k == 1  # K=2 only 1 % better: kept
+    # a class switched off counts MAL 1: plain decoding unless another class gains
+    off = {"batch": False, "interactive": True}
+    assert pol.choose(1, {"batch": 1, "interactive": 0}, 0, est, off, (), 1).k == 0
+    assert pol.choose(1, {"batch": 1, "interactive": 1}, 0, est, off, (), 0).k == 1
+    assert _policy(costs, policy="never").choose(1, {"batch": 1}, 0, est, on, (), 0).k == 0
+    assert _policy(costs, policy="always").choose(1, {"batch": 1}, 0, est, on, (), 0).k == 4
+    sched = _policy(costs, policy="schedule", schedule=((1, 3), (8, 0)))
+    assert sched.choose(1, {"batch": 1}, 0, est, on, (), 0).k == 3
+    assert sched.choose(1, {"batch": 2}, 0, est, on, (), 0).k == 0
+
+
+def test_monitor_bounded_switch_off_probe_and_on():
+    cfg = MonitorConfig(window_steps=16, min_steps=8, probe_every=10, probe_steps=4)
+    log = DecisionLog()
+    mon = AcceptanceMonitor(cfg, ("interactive", "batch"), "ngram", log)
+    bad = Sample(4, 4, 4, np.array([4, 0]), np.array([0, 0]))
+    mon.record("batch", 2, bad)
+    mon.evaluate("batch", Estimate(1.0, [0.0], 4).mal(2), "d", 4)  # 4 row-steps < min_steps
+    assert mon.spec_on("batch")
+    mon.record("batch", 2, bad)
+    mon.evaluate("batch", 0.8, "d", 8)
+    assert not mon.spec_on("batch") and mon.spec_on("interactive")
+    assert not mon.probe_due("batch", 12) and mon.probe_due("batch", 18)
+    mon.start_probe("batch", 18, 2, 4)
+    mon.record("batch", 2, Sample(4, 12, 4, np.array([4, 4]), np.array([4, 4])))
+    mon.evaluate("batch", 2.9, "d", 22)
+    assert mon.spec_on("batch")
+    assert [d["kind"] for d in log.recent()] == ["spec_off", "probe", "spec_on"]
+    assert mon.estimate("batch", 2).acceptance == [0.6, 0.6]  # 4 row-steps < min_steps: the prior
+    est = mon.estimate("batch", 2, measured=True)
+    assert est.acceptance == [1.0, 1.0] and est.mal(2) == 3.0
+
+
+def test_metrics_exposition_format():
+    m = ServingMetrics()
+    m.steps.inc(5, k=2)
+    m.ttft.observe(0.03, **{"class": "interactive"})
+    m.itl.observe(0.004, count=3, **{"class": "batch"})
+    m.mal.set(2.5, **{"class": 'a"b'}, drafter="ngram")
+    text = m.render()
+    assert 'specjax_steps_total{k="2"} 5' in text
+    assert "# TYPE specjax_time_to_first_token_seconds histogram" in text
+    assert 'specjax_time_to_first_token_seconds_bucket{class="interactive",le="0.025"} 0' in text
+    assert 'specjax_time_to_first_token_seconds_bucket{class="interactive",le="0.05"} 1' in text
+    assert 'specjax_inter_token_latency_seconds_count{class="batch"} 3' in text
+    assert 'specjax_mean_accepted_length{class="a\\"b",drafter="ngram"} 2.5' in text
+    with pytest.raises(ValueError):
+        m.steps.inc(-1, k=0)
+
+
+def test_policy_yaml_example_loads(tmp_path):
+    cfg = load_config(os.path.join(REPO, "configs", "serving-policy.yaml"))
+    assert cfg.policy in ("rules", "schedule") and cfg.schedule and 0 in cfg.ks
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("policy: rules\nbukets: [1, 2]\n")
+    with pytest.raises(SpecjaxError, match="unknown keys"):
+        load_config(str(bad))
+    with pytest.raises(SpecjaxError, match="schedule uses K=3"):
+        load_config(None, ks=[0, 2], policy="schedule", schedule=[{"max_batch": 4, "k": 3}])
