@@ -282,7 +282,8 @@ def build_parser() -> ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks: `plain` (the target alone), prompt suites, or --preset")
     b.add_argument("suites", nargs="?", default=None,
-                   help="plain | comma-separated suites: humaneval, mtbench, sharegpt (default: humaneval)")
+                   help="plain | comma-separated suites: humaneval, humaneval-raw (code completion, no chat "
+                   "template), mtbench, sharegpt (default: humaneval)")
     add_model_args(b)
     b.add_argument("--prompts", dest="prompts_file", default=None, help="a JSONL file of prompts (prompt or messages)")
     b.add_argument("--limit", type=int, default=None, help="use the first N prompts of each suite")
@@ -312,7 +313,7 @@ def build_parser() -> ArgumentParser:
     j = sub.add_parser("batch", help="a resumable batch job: JSONL of prompts in, JSONL of results out")
     j.add_argument("--input", default=None, help='JSONL rows {"id", "prompt" | "messages"} with optional '
                    "temperature, top_k, top_p, max_new_tokens, seed")
-    j.add_argument("--suite", default=None, help="instead of --input: a packaged suite (humaneval, mtbench, sharegpt)")
+    j.add_argument("--suite", default=None, help="instead of --input: a packaged suite (humaneval, humaneval-raw, mtbench, sharegpt)")
     j.add_argument("--limit", type=int, default=None, help="only the first N rows of the input or suite")
     j.add_argument("--output", required=True, help="results JSONL (appended; rerun the same command to resume)")
     add_model_args(j)
@@ -365,7 +366,8 @@ def build_parser() -> ArgumentParser:
 
     t = sub.add_parser("train", help="train a drafter for the target (train/: data, features, Optax, Orbax)")
     t.add_argument("args", nargs="*", metavar="[DRAFTER] [KEY=VALUE ...]",
-                   help="eagle3 (overrides the recipe's `drafter`), then recipe overrides, e.g. optim.steps=200")
+                   help="eagle3 | mtp | draft (overrides the recipe's `drafter`), then recipe overrides, "
+                   "e.g. optim.steps=200")
     t.add_argument("--config", default=None, help="a recipe YAML, e.g. configs/eagle3-smollm2.yaml")
     t.add_argument("--stop-after", type=int, default=None, help="stop after this many training steps (resume "
                    "later by rerunning the same command)")
