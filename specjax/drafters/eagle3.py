@@ -224,16 +224,10 @@ def load(path: str, dtype=jnp.float32) -> Eagle3Weights:
     from specjax.models.loading import _unflatten
     from specjax.models.loading.safetensors_io import SafetensorsFile
 
+    from specjax.drafters import checkpoint
+
     cfg_path, w_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
-    if not os.path.isdir(path) or not os.path.isfile(cfg_path):
-        raise DrafterError(f"EAGLE-3 drafter not found: {path} (expected a directory with {CONFIG_FILE})")
-    try:
-        with open(cfg_path) as fh:
-            raw = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise DrafterError(f"{cfg_path}: not a readable JSON config ({e})") from None
-    if raw.get("drafter", KIND) != KIND:
-        raise DrafterError(f"{path} holds a {raw.get('drafter')!r} drafter, not {KIND!r}")
+    raw = checkpoint.read_config(path, KIND, "EAGLE-3")
     cfg = Eagle3Config.from_dict(raw, cfg_path)
     if not os.path.isfile(w_path):
         raise DrafterError(f"EAGLE-3 weights missing: {w_path}")
