@@ -63,12 +63,25 @@ def cmd_generate(a) -> int:
         else:
             print(r.text, flush=True)
             s = r.stats
-            print(
-                f"[{len(r.token_ids)} tokens, {s.tokens_per_second:.1f} tok/s, drafter {s.drafter}, "
-                f"MAL {s.mean_accepted_length:.2f}]",
-                file=sys.stderr,
-            )
+            acc = "" if s.acceptance_rate is None else f", acceptance {s.acceptance_rate:.2f}"
+            print(f"[{len(r.token_ids)} tokens, {s.tokens_per_second:.1f} tok/s, drafter {s.drafter} "
+                  f"K={s.num_draft}, MAL {s.mean_accepted_length:.2f}{acc}]", file=sys.stderr)
+    if a.compare_plain and a.drafter not in (None, "none"):
+        _compare_with_plain(specjax, model, a, sampling, results)
     return 0
+
+
+def _compare_with_plain(specjax, model, a, sampling, results) -> None:
+    """Same prompts, plain decoding, same process: the speedup the drafter gave (compile excluded
+    from both), and for greedy decoding whether the outputs are token-identical (they must be)."""
+    plain = specjax.generate(a.prompts, model=model, sampling=sampling, raw=a.raw)
+    tps = lambda rs: sum(len(r.token_ids) for r in rs) / sum(  # noqa: E731
+        r.stats.prefill_seconds + r.stats.decode_seconds for r in rs)
+    line = f"plain decoding, same prompts: {tps(plain):.1f} tok/s; speedup {tps(results) / tps(plain):.2f}x"
+    if sampling.temperature == 0:
+        same = all(p.token_ids == r.token_ids for p, r in zip(plain, results))
+        line += ", greedy output " + ("identical" if same else "DIFFERENT (a bug: please report it)")
+    print(f"[{line}]", file=sys.stderr)
 
 
 def cmd_bench(a) -> int:
@@ -276,6 +289,8 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--drafter", default="none", help="none | ngram | draft:PATH | mtp[:PATH] | eagle3[:PATH]")
     g.add_argument("--num-draft", type=int, default=0, help="K, draft tokens per step")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
+    g.add_argument("--compare-plain", action="store_true", help="also decode the prompts without the drafter "
+                   "and print the speedup measured in this run")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("prompts", nargs="*", metavar="PROMPT")
     g.set_defaults(fn=cmd_generate)

@@ -109,3 +109,15 @@ def test_drafter_that_does_not_fit(default_model, tmp_path, monkeypatch):
     monkeypatch.setattr(drafters, "SHIPPED_DIR", str(tmp_path))  # bare `draft` = the shipped one: none here
     with pytest.raises(DrafterError, match="no draft drafter is shipped"):
         make_drafter("draft", 3, default_model)
+
+
+def test_cli_compare_plain_reports_speedup_and_identity(default_model, capsys):
+    from specjax.cli import main
+
+    rc = main(["generate", "--drafter", "ngram", "--num-draft", "3", "--compare-plain", "--max-new-tokens", "24",
+               PROMPTS[2]])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out.strip(), err
+    assert "drafter ngram K=3" in err and "acceptance" in err
+    line = [s for s in err.splitlines() if "plain decoding, same prompts" in s]
+    assert len(line) == 1 and "speedup" in line[0] and "greedy output identical" in line[0], err

@@ -41,7 +41,7 @@ def target():
 
 
 @pytest.fixture(scope="module")
-def store(target, tmp_path_factory):
+def seqs(target):
     """Greedy continuations of the target (like `regen` data) of random prompts."""
     from specjax.engine import Engine
     from specjax.sampling import SamplingParams
@@ -49,7 +49,11 @@ def store(target, tmp_path_factory):
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, 256, 6).tolist() for _ in range(32)]
     rows = Engine(target).generate(prompts, [SamplingParams(max_new_tokens=26)] * 32)
-    seqs = [(p + r.token_ids, len(p)) for p, r in zip(prompts, rows)]
+    return [(p + r.token_ids, len(p)) for p, r in zip(prompts, rows)]
+
+
+@pytest.fixture(scope="module")
+def store(target, seqs, tmp_path_factory):
     return extract_features(target, seqs, LAYERS, str(tmp_path_factory.mktemp("feat")), 32)
 
 
@@ -202,3 +206,13 @@ def test_killed_training_resumes_on_the_same_curve(tiny_target_dir, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert os.path.isfile(os.path.join(summary["exported"], "model.safetensors"))
     assert summary["final_eval"]["sim_mal"] >= 1.0
+
+
+def test_final_hidden_readers_reuse_a_richer_store(target, seqs, store):
+    """MTP and the draft model (no layers) reuse an EAGLE-3 store of the same sequences (one
+    shared `data.cache_dir`); a store of other sequences is not reused."""
+    stamp = os.path.getmtime(os.path.join(store.path, "final.npy"))
+    again = extract_features(target, seqs, (), store.path, 32)
+    assert again.layers == LAYERS and os.path.getmtime(os.path.join(store.path, "final.npy")) == stamp
+    other = extract_features(target, seqs[:4], (), store.path + "-other", 32)
+    assert other.layers == () and len(other) == 4

@@ -1,8 +1,8 @@
 """`specjax train DRAFTER --config RECIPE [key=value ...]`: data, features, training, export.
 
 Every stage is resumable, so rerunning the same command after a kill continues where it stopped:
-regenerated sequences are appended to `out_dir/data/*.jsonl` batch by batch, feature stores are
-reused when complete, and training resumes from the newest Orbax checkpoint. The trained drafter
+regenerated sequences are appended to `data/*.jsonl` batch by batch, feature stores are reused
+when complete (both under `data.cache_dir`, default out_dir, which recipes may share), and training resumes from the newest Orbax checkpoint. The trained drafter
 is exported (bf16 by default) to `out_dir/drafter`, loadable with `--drafter KIND:out_dir/drafter`.
 """
 
@@ -43,8 +43,8 @@ def sequences(target, recipe: Recipe, split: str, console: Console) -> list[tupl
     offset = 0 if split == "train" else d.num_prompts  # eval conversations never overlap training
     source = d.source if split == "train" else "regen"  # eval text is the target's own (exact simulator)
     convs = conversations(n, d.seed, offset)
-    os.makedirs(os.path.join(recipe.out_dir, "data"), exist_ok=True)
-    path = os.path.join(recipe.out_dir, "data", f"{source}-{split}-{n}.jsonl")
+    os.makedirs(os.path.join(recipe.cache_dir, "data"), exist_ok=True)
+    path = os.path.join(recipe.cache_dir, "data", f"{source}-{split}-{n}.jsonl")
     done = _read_jsonl(path)
     if done and done[-1].get("complete"):
         return [(r["ids"], r["prompt_len"]) for r in done[:-1]]
@@ -125,7 +125,7 @@ def run(recipe: Recipe, console: Console | None = None, stop_after: int | None =
         t0 = time.perf_counter()
         seqs = sequences(target, recipe, split, console)
         t1 = time.perf_counter()
-        store = extract_features(target, seqs, layers, os.path.join(recipe.out_dir, "features", split),
+        store = extract_features(target, seqs, layers, os.path.join(recipe.cache_dir, "features", split),
                                  recipe.data.seq_len, recipe.data.feature_batch_size)
         t2 = time.perf_counter()
         tokens = len(store) * recipe.data.seq_len

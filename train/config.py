@@ -39,6 +39,11 @@ class DataConfig:
     gen_batch_size: int = 32
     feature_batch_size: int = 8
     seed: int = 0
+    # Where regenerated sequences (data/) and target feature stores (features/) live; "" means
+    # out_dir. Recipes with the same data settings can point at one directory and share the
+    # expensive regeneration and target prefill: a store keeping layers (2, 15, 27) also serves
+    # MTP and the draft model, which read only the final hidden state.
+    cache_dir: str = ""
 
 
 REQUIRED_TOP = ("drafter", "out_dir", "data", "model", "optim")
@@ -53,6 +58,10 @@ class Recipe:
     optim: OptimConfig
     target: str | None = None
     export_dtype: str = "bfloat16"
+
+    @property
+    def cache_dir(self) -> str:
+        return self.data.cache_dir or self.out_dir
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -8,10 +8,10 @@ means the one shipped for the default model (`shipped/<name>-smollm2-135m/`, see
 
 from __future__ import annotations
 
+import os
+
 from specjax.drafters.base import Drafter, NoDrafter
 from specjax.errors import DrafterError
-
-import os
 
 DEFAULT_NUM_DRAFT = {"ngram": 5, "draft": 5, "eagle3": 5}
 KNOWN = ("none", "ngram", "draft[:PATH]", "mtp[:PATH]", "eagle3[:PATH]")

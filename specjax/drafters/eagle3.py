@@ -27,8 +27,6 @@ and commit discipline stay the same.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any
 
 import jax
@@ -36,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from specjax.drafters import checkpoint
 from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext
 from specjax.errors import DrafterError
 from specjax.models.config import LlamaConfig
@@ -43,8 +42,6 @@ from specjax.models.kv_cache import KVCache
 from specjax.models.llama import MLP, Attention, RMSNorm, linear, rope_tables
 from specjax.sampling import sample, target_probs
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 KIND = "eagle3"
 
 
@@ -85,25 +82,14 @@ class Eagle3Config:
 
     def layer_config(self) -> LlamaConfig:
         """The drafter's single layer, described as a one-layer Llama (attention, MLP, rope)."""
-        return LlamaConfig(
-            vocab_size=self.draft_vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling, rms_norm_eps=self.rms_norm_eps,
-        )
+        return LlamaConfig.single_layer(self, self.draft_vocab_size)
 
     def to_dict(self) -> dict[str, Any]:
         return {"drafter": KIND, **dataclasses.asdict(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "Eagle3Config":
-        kw = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in d:
-                if f.default is dataclasses.MISSING:
-                    raise DrafterError(f"{source}: missing key {f.name!r} in the EAGLE-3 config")
-                continue
-            kw[f.name] = d[f.name]
+        kw = checkpoint.config_fields(cls, d, source, "EAGLE-3")
         kw["target_layers"] = tuple(int(x) for x in kw["target_layers"])
         if kw.get("rope_scaling") is not None:
             kw["rope_scaling"] = tuple(kw["rope_scaling"])
@@ -111,13 +97,9 @@ class Eagle3Config:
 
     def check_target(self, target: LlamaConfig, source: str = "EAGLE-3 drafter") -> None:
         """One clear error when the drafter was trained for another target."""
-        pairs = [("hidden size", self.hidden_size, target.hidden_size),
-                 ("vocab size", self.target_vocab_size, target.vocab_size),
-                 ("layer count", self.target_num_layers, target.num_layers)]
-        for what, mine, theirs in pairs:
-            if mine != theirs:
-                raise DrafterError(f"{source} was trained for a target with {what} {mine}, "
-                                   f"but this target has {theirs}")
+        checkpoint.check_target([("hidden size", self.hidden_size, target.hidden_size),
+                                 ("vocab size", self.target_vocab_size, target.vocab_size),
+                                 ("layer count", self.target_num_layers, target.num_layers)], source)
         if max(self.target_layers) >= target.num_layers:
             raise DrafterError(f"{source} reads target layer {max(self.target_layers)}, "
                                f"but the target has {target.num_layers} layers")
@@ -204,59 +186,21 @@ def init_weights(cfg: Eagle3Config, d2t: np.ndarray, seed: int = 0, dtype=jnp.fl
 
 def save(w: Eagle3Weights, out_dir: str, dtype=None, metadata: dict | None = None) -> str:
     """Write `config.json` + `model.safetensors` (params, optionally cast, and `d2t`)."""
-    from specjax.models.loading import _flatten
-    from specjax.models.loading.safetensors_io import save_file
-
-    os.makedirs(out_dir, exist_ok=True)
-    tensors = {}
-    for name, arr in _flatten(nnx.to_pure_dict(w.params)):
-        a = np.asarray(jnp.asarray(arr, dtype) if dtype is not None else arr)
-        tensors[name] = a
-    tensors["d2t"] = np.asarray(w.d2t, np.int32)
-    save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE))
-    with open(os.path.join(out_dir, CONFIG_FILE), "w") as fh:
-        json.dump({**w.config.to_dict(), **(metadata or {})}, fh, indent=1)
-    return out_dir
+    return checkpoint.save(out_dir, w.config.to_dict(), w.params, extra={"d2t": np.asarray(w.d2t, np.int32)},
+                           dtype=dtype, metadata=metadata)
 
 
 def load(path: str, dtype=jnp.float32) -> Eagle3Weights:
     """Load a drafter directory written by `save`; clear one-line errors for bad input."""
-    from specjax.models.loading import _unflatten
-    from specjax.models.loading.safetensors_io import SafetensorsFile
-
-    from specjax.drafters import checkpoint
-
-    cfg_path, w_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
     raw = checkpoint.read_config(path, KIND, "EAGLE-3")
-    cfg = Eagle3Config.from_dict(raw, cfg_path)
-    if not os.path.isfile(w_path):
-        raise DrafterError(f"EAGLE-3 weights missing: {w_path}")
-    try:
-        f = SafetensorsFile(w_path)
-        arrays = {name: f.get(name) for name in f.names()}
-    except Exception as e:  # ModelLoadError from the reader carries the reason
-        raise DrafterError(str(e)) from None
+    cfg = Eagle3Config.from_dict(raw, f"{path}/{checkpoint.CONFIG_FILE}")
+    arrays = checkpoint.read_tensors(path, "EAGLE-3")
+    w_path = f"{path}/{checkpoint.WEIGHTS_FILE}"
     d2t = arrays.pop("d2t", None)
     if d2t is None or d2t.shape != (cfg.draft_vocab_size,):
         raise DrafterError(f"{w_path}: missing or malformed 'd2t' ({cfg.draft_vocab_size} entries expected)")
-    abstract = nnx.eval_shape(lambda: Eagle3(cfg, rngs=nnx.Rngs(0), dtype=dtype))
-    graphdef, state = nnx.split(abstract)
-    want = dict(_flatten_state(state))
-    if set(want) != set(arrays):
-        missing = sorted(set(want) - set(arrays))
-        raise DrafterError(f"{w_path}: tensors do not match the config (missing: {missing[:3]}, "
-                           f"unexpected: {sorted(set(arrays) - set(want))[:3]})")
-    for name, a in arrays.items():
-        if tuple(a.shape) != tuple(want[name]):
-            raise DrafterError(f"{w_path}: tensor {name} has shape {a.shape}, config expects {want[name]}")
-    nnx.replace_by_pure_dict(state, _unflatten((k, jnp.asarray(v, dtype)) for k, v in arrays.items()))
-    return Eagle3Weights(cfg, graphdef, state, jnp.asarray(d2t, jnp.int32), path)
-
-
-def _flatten_state(state):
-    from specjax.models.loading import _flatten
-
-    return ((k, v.shape) for k, v in _flatten(nnx.to_pure_dict(state)))
+    graphdef, params = checkpoint.fill(lambda: Eagle3(cfg, rngs=nnx.Rngs(0), dtype=dtype), arrays, w_path, dtype)
+    return Eagle3Weights(cfg, graphdef, params, jnp.asarray(d2t, jnp.int32), path)
 
 
 @struct.dataclass

@@ -85,12 +85,7 @@ class MTPConfig:
 
     def layer_config(self) -> LlamaConfig:
         """One module's block, described as a one-layer Llama (attention, MLP, rope)."""
-        return LlamaConfig(
-            vocab_size=self.target_vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling, rms_norm_eps=self.rms_norm_eps,
-        )
+        return LlamaConfig.single_layer(self, self.target_vocab_size)
 
     def to_dict(self) -> dict[str, Any]:
         return {"drafter": KIND, **dataclasses.asdict(self)}

@@ -56,6 +56,17 @@ class LlamaConfig:
         return dataclasses.asdict(self)
 
     @classmethod
+    def single_layer(cls, src, vocab_size: int) -> "LlamaConfig":
+        """A one-layer config with the layer shape of `src` (any object with hidden_size,
+        intermediate_size, heads, head_dim, rope and eps fields): how a drafter's own decoder
+        block (EAGLE-3's layer, an MTP module) reuses the target's Attention/MLP/rope code."""
+        return cls(
+            vocab_size=vocab_size, hidden_size=src.hidden_size, intermediate_size=src.intermediate_size,
+            num_layers=1, num_heads=src.num_heads, num_kv_heads=src.num_kv_heads, head_dim=src.head_dim,
+            rope_theta=src.rope_theta, rope_scaling=src.rope_scaling, rms_norm_eps=src.rms_norm_eps,
+        )
+
+    @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
         d = dict(d)
         if d.get("rope_scaling") is not None:
