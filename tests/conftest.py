@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from helpers import hf_llama_config
+from helpers import SHARP_LAYERS, hf_llama_config, sharp_target as make_sharp_target
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -93,3 +93,31 @@ def tiny_tok_dir(tmp_path_factory, default_model):
     LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
     default_model.tokenizer.save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def sharp_target():
+    """`helpers.sharp_target()`, shared by the drafter-training tests."""
+    return make_sharp_target()
+
+
+@pytest.fixture(scope="session")
+def sharp_seqs(sharp_target):
+    """Greedy continuations of the sharp target (like `regen` data): 32 random 6-token prompts."""
+    import numpy as np
+
+    from specjax.engine import Engine
+    from specjax.sampling import SamplingParams
+
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(0, 256, 6).tolist() for _ in range(32)]
+    rows = Engine(sharp_target).generate(prompts, [SamplingParams(max_new_tokens=26)] * 32)
+    return [(p + r.token_ids, len(p)) for p, r in zip(prompts, rows)]
+
+
+@pytest.fixture(scope="session")
+def sharp_store(sharp_target, sharp_seqs, tmp_path_factory):
+    """Their feature store (layers SHARP_LAYERS + the final hidden state: every drafter's data)."""
+    from train.data import extract_features
+
+    return extract_features(sharp_target, sharp_seqs, SHARP_LAYERS, str(tmp_path_factory.mktemp("feat")), 32)

@@ -84,3 +84,21 @@ def specjax_cli_cmd() -> list[str]:
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+SHARP_LAYERS = (0, 1, 3)  # target layers the shared tiny feature store keeps (EAGLE-3 tests)
+
+
+def sharp_target():
+    """A tiny random target with a peaked next-token distribution (a scaled LM head), so that a
+    drafter trained on it has something to learn."""
+    from flax import nnx
+
+    from specjax.models.config import tiny
+    from specjax.models.loading import random_model
+
+    model = random_model(tiny(num_layers=4), seed=1)
+    pure = nnx.to_pure_dict(model.params)
+    pure["lm_head"] = pure["lm_head"] * 25.0
+    nnx.replace_by_pure_dict(model.params, pure)
+    return model

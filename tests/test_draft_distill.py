@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_train import sharp_target
 
 from specjax import drafters
 from specjax.drafters import make_drafter
@@ -21,33 +20,21 @@ from specjax.models.config import tiny
 from specjax.models.loading import random_model
 from specjax.models.loading.safetensors_io import SafetensorsFile
 from specjax.sampling import SamplingParams
-from train.data import extract_features
 from train.draft_model import DraftDistillTask
 from train.loop import OptimConfig, fit, read_log
 
 
-@pytest.fixture(scope="module")
-def target():
-    return sharp_target()
+
+
 
 
 @pytest.fixture(scope="module")
-def store(target, tmp_path_factory):
-    """Greedy continuations of the target (like `regen` data) of random prompts."""
-    rng = np.random.RandomState(0)
-    prompts = [rng.randint(0, 256, 6).tolist() for _ in range(32)]
-    rows = Engine(target).generate(prompts, [SamplingParams(max_new_tokens=26)] * 32)
-    seqs = [(p + r.token_ids, len(p)) for p, r in zip(prompts, rows)]
-    return extract_features(target, seqs, (), str(tmp_path_factory.mktemp("feat")), 32)
-
-
-@pytest.fixture(scope="module")
-def trained(target, store, tmp_path_factory):
-    task = DraftDistillTask(target, num_layers=2, eval_k=3, loss_chunk=16)
+def trained(sharp_target, sharp_store, tmp_path_factory):
+    task = DraftDistillTask(sharp_target, num_layers=2, eval_k=3, loss_chunk=16)
     o = OptimConfig(steps=30, batch_size=8, lr=3e-3, warmup_steps=3, checkpoint_every=30, eval_every=30)
-    before = task.evaluate(task.init_params(o.seed), store)
+    before = task.evaluate(task.init_params(o.seed), sharp_store)
     out = str(tmp_path_factory.mktemp("draft_run"))
-    params = fit(task, store, o, out, eval_store=store)
+    params = fit(task, sharp_store, o, out, eval_store=sharp_store)
     return task, params, before, read_log(out)
 
 
@@ -67,39 +54,39 @@ def test_distillation_lowers_the_loss_and_raises_acceptance(trained):
     assert set(after) == {"sim_mal", "sim_per_position", "sim_starts"} and len(after["sim_per_position"]) == 3
 
 
-def test_export_holds_only_the_drafts_own_tensors_and_loads(target, trained, exported):
+def test_export_holds_only_the_drafts_own_tensors_and_loads(sharp_target, trained, exported):
     _, params, _, _ = trained
     names = SafetensorsFile(os.path.join(exported, "model.safetensors")).names()
     assert "model.embed_tokens.weight" not in names and "lm_head.weight" not in names
     assert "model.layers.1.mlp.down_proj.weight" in names and "model.layers.2.mlp.down_proj.weight" not in names
-    d = make_drafter(f"draft:{exported}", 3, target)
+    d = make_drafter(f"draft:{exported}", 3, sharp_target)
     assert isinstance(d, DraftModelDrafter) and d.model.config.num_layers == 2
     got = d.model.params
-    np.testing.assert_array_equal(np.asarray(got["embed"][...]), np.asarray(target.params["embed"][...]))
-    np.testing.assert_array_equal(np.asarray(got["lm_head"][...]), np.asarray(target.params["lm_head"][...]))
+    np.testing.assert_array_equal(np.asarray(got["embed"][...]), np.asarray(sharp_target.params["embed"][...]))
+    np.testing.assert_array_equal(np.asarray(got["lm_head"][...]), np.asarray(sharp_target.params["lm_head"][...]))
     want = jax.tree.map(lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32), params)
     np.testing.assert_array_equal(np.asarray(got["layers"][1]["mlp"]["down"][...]),
                                   np.asarray(want["layers"][1]["mlp"]["down"][...]))
     np.testing.assert_array_equal(np.asarray(got["norm"]["scale"][...]), np.asarray(want["norm"]["scale"][...]))
 
 
-def test_greedy_lossless_in_engine(target, exported):
-    engine = Engine(target)
+def test_greedy_lossless_in_engine(sharp_target, exported):
+    engine = Engine(sharp_target)
     rng = np.random.RandomState(4)
     prompts = [rng.randint(0, 256, n).tolist() for n in (5, 11, 1)]
     sp = [SamplingParams(max_new_tokens=24)] * 3
     plain = [r.token_ids for r in engine.generate(prompts, sp)]
-    rows = engine.generate(prompts, sp, drafter=make_drafter(f"draft:{exported}", 4, target))
+    rows = engine.generate(prompts, sp, drafter=make_drafter(f"draft:{exported}", 4, sharp_target))
     assert [r.token_ids for r in rows] == plain
     assert sum(sum(r.accepted) for r in rows) > 0  # both the accept and the reject paths ran
 
 
-def test_bare_name_is_the_shipped_draft(target, exported, tmp_path, monkeypatch):
+def test_bare_name_is_the_shipped_draft(sharp_target, exported, tmp_path, monkeypatch):
     monkeypatch.setattr(drafters, "SHIPPED_DIR", str(tmp_path))
     with pytest.raises(DrafterError, match="no draft drafter is shipped"):
-        make_drafter("draft", 3, target)
+        make_drafter("draft", 3, sharp_target)
     os.symlink(exported, drafters.shipped_path("draft"))
-    d = make_drafter("draft", 0, target)
+    d = make_drafter("draft", 0, sharp_target)
     assert isinstance(d, DraftModelDrafter) and d.num_draft == drafters.DEFAULT_NUM_DRAFT["draft"]
 
 
@@ -116,7 +103,7 @@ def test_draft_for_another_target_is_one_line(exported, change, message):
 
 
 @pytest.mark.parametrize("section, key", [("specjax_draft", "target_num_layers"), (None, "hidden_size")])
-def test_missing_config_key_is_named(target, exported, tmp_path, section, key):
+def test_missing_config_key_is_named(sharp_target, exported, tmp_path, section, key):
     import shutil
 
     path = shutil.copytree(exported, tmp_path / "d")
@@ -124,7 +111,7 @@ def test_missing_config_key_is_named(target, exported, tmp_path, section, key):
     del (raw[section] if section else raw)[key]
     (path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(DrafterError, match=f"missing the key '{key}'|missing key '{section}.{key}'") as e:
-        make_drafter(f"draft:{path}", 3, target)
+        make_drafter(f"draft:{path}", 3, sharp_target)
     assert "\n" not in str(e.value)
 
 
@@ -136,32 +123,32 @@ def test_chunked_soft_ce_equals_the_plain_formula(positions):
     rng = np.random.RandomState(0)
     n, b, t, d, v = 2, 3, 21, 8, 50
     draft = jnp.asarray(rng.randn(n, b, t, d), jnp.float32)
-    target, head = jnp.asarray(rng.randn(b, t, d), jnp.float32), jnp.asarray(rng.randn(v, d), jnp.float32)
+    sharp_target, head = jnp.asarray(rng.randn(b, t, d), jnp.float32), jnp.asarray(rng.randn(v, d), jnp.float32)
     valid = jnp.asarray(rng.rand(n, b, t) < 0.4)  # at most 16 labelled positions per row here
     w = jnp.asarray([0.7, 1.3])
 
     def plain(dr):
-        p = jax.nn.softmax(target @ head.T, -1)
+        p = jax.nn.softmax(sharp_target @ head.T, -1)
         return jnp.sum(-jnp.sum(p * jax.nn.log_softmax(dr @ head.T, -1), -1) * valid, axis=(1, 2))
 
-    chunked = lambda dr: chunked_soft_ce(dr, target, head, valid, 4, positions)[0]
+    chunked = lambda dr: chunked_soft_ce(dr, sharp_target, head, valid, 4, positions)[0]
     np.testing.assert_allclose(chunked(draft), plain(draft), rtol=1e-5)
     np.testing.assert_allclose(jax.grad(lambda dr: w @ chunked(dr))(draft), jax.grad(lambda dr: w @ plain(dr))(draft),
                                atol=1e-5)
 
 
-def test_recipes_build_their_tasks(target):
+def test_recipes_build_their_tasks(sharp_target):
     from train.cli import feature_layers, make_task
     from train.config import RecipeError, load_recipe
     from train.mtp import MTPTask
 
     for kind, cls in (("mtp", MTPTask), ("draft", DraftDistillTask)):
         r = load_recipe(os.path.join(os.path.dirname(__file__), "..", "configs", f"{kind}-smollm2.yaml"))
-        assert r.drafter == kind and feature_layers(r, target) == ()
-        assert isinstance(make_task(r, target, None), cls)
+        assert r.drafter == kind and feature_layers(r, sharp_target) == ()
+        assert isinstance(make_task(r, sharp_target, None), cls)
     r = load_recipe(None, ["drafter=mtp", "out_dir=x", "data={}", "optim={}", "model.num_modules=2", "model.eval_k=3"])
     with pytest.raises(RecipeError, match="model section: eval_k must be 1..num_modules"):
-        make_task(r, target, None)
+        make_task(r, sharp_target, None)
     r = load_recipe(None, ["drafter=draft", "out_dir=x", "data={}", "optim={}", "model.num_layer=2"])
     with pytest.raises(RecipeError, match="num_layer"):
-        make_task(r, target, None)
+        make_task(r, sharp_target, None)

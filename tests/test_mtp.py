@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_train import sharp_target
 
 from specjax.drafters import make_drafter, mtp
 from specjax.drafters.base import CommitContext, InitContext
@@ -21,7 +20,6 @@ from specjax.errors import DrafterError
 from specjax.models.config import tiny
 from specjax.models.loading import random_model
 from specjax.sampling import SamplingArrays, SamplingParams
-from train.data import extract_features
 from train.loop import OptimConfig, fit, read_log
 from train.mtp import MTPTask, mtp_hidden, simulate_acceptance
 
@@ -38,27 +36,24 @@ def sharpen(w: mtp.MTPWeights, seed: int = 0) -> mtp.MTPWeights:
     return w
 
 
-@pytest.fixture(scope="module")
-def target():
-    return sharp_target()
 
 
 @pytest.fixture(scope="module")
-def weights(target):
-    return sharpen(init_weights(MTPConfig.for_target(target.config, DEPTH, intermediate_size=96), seed=3))
+def weights(sharp_target):
+    return sharpen(init_weights(MTPConfig.for_target(sharp_target.config, DEPTH, intermediate_size=96), seed=3))
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_drafting_equals_training_forward_through_commits(target, weights, k):
+def test_drafting_equals_training_forward_through_commits(sharp_target, weights, k):
     """At every step, draft j (given true earlier drafts) has exactly the training logits of
     module j at position m - 1, across commits of 0..K accepted drafts, rows that do not advance,
     junk verify states for rejected positions and junk history past hist_len."""
     rng = np.random.RandomState(k)
     b, n, s = 2, 48, 64
     x = jnp.asarray(rng.randint(0, 256, (b, n)), jnp.int32)  # the true sequence
-    tm = target.module()
+    tm = sharp_target.module()
     final, _, _ = tm.hidden(x, tm.new_cache(b, s))  # [B, N, D]
-    drafter = MTPDrafter(k, weights, target)
+    drafter = MTPDrafter(k, weights, sharp_target)
     dparams = drafter.params()
     net = weights.module()
     train = jax.jit(lambda: [net.logits(j, h, dparams["head"])  # [B, N, V] per depth
@@ -102,12 +97,12 @@ def test_drafting_equals_training_forward_through_commits(target, weights, k):
     assert accepted_total > 10
 
 
-def test_simulator_counts_greedy_acceptance(target, weights):
+def test_simulator_counts_greedy_acceptance(sharp_target, weights):
     """Simulated counts == walking the chain by hand over the training logits."""
     k, t = DEPTH, 24
     rng = np.random.RandomState(5)
     x = jnp.asarray(rng.randint(0, 256, (1, t)), jnp.int32)
-    tm = target.module()
+    tm = sharp_target.module()
     final, _, _ = tm.hidden(x, tm.new_cache(1, t))
     net, embed, head = weights.module(), tm.embed[...], tm.head_weight()
     greedy = [jnp.argmax(net.logits(j, h, head), -1)[0] for j, h in enumerate(mtp_hidden(net, embed, x, final, k), 1)]
@@ -126,23 +121,15 @@ def test_simulator_counts_greedy_acceptance(target, weights):
     assert not bool(starts[0, 0]) and int(count[0, 4]) == 3 and int((count[0] >= 1).sum()) > t // 2
 
 
-@pytest.fixture(scope="module")
-def store(target, tmp_path_factory):
-    """Greedy continuations of the target (like `regen` data) of random prompts."""
-    rng = np.random.RandomState(0)
-    prompts = [rng.randint(0, 256, 6).tolist() for _ in range(32)]
-    rows = Engine(target).generate(prompts, [SamplingParams(max_new_tokens=26)] * 32)
-    seqs = [(p + r.token_ids, len(p)) for p, r in zip(prompts, rows)]
-    return extract_features(target, seqs, (), str(tmp_path_factory.mktemp("feat")), 32)
 
 
 @pytest.fixture(scope="module")
-def trained(target, store, tmp_path_factory):
-    task = MTPTask(target, num_modules=DEPTH, intermediate_size=96, loss_chunk=16)
+def trained(sharp_target, sharp_store, tmp_path_factory):
+    task = MTPTask(sharp_target, num_modules=DEPTH, intermediate_size=96, loss_chunk=16)
     o = OptimConfig(steps=40, batch_size=8, lr=3e-3, warmup_steps=4, checkpoint_every=40, eval_every=40)
-    before = task.evaluate(task.init_params(o.seed), store)
+    before = task.evaluate(task.init_params(o.seed), sharp_store)
     out = str(tmp_path_factory.mktemp("mtp_run"))
-    params = fit(task, store, o, out, eval_store=store)
+    params = fit(task, sharp_store, o, out, eval_store=sharp_store)
     return task, params, before, read_log(out)
 
 
@@ -157,7 +144,7 @@ def test_training_lowers_the_loss_and_raises_acceptance(trained):
     assert {"ce_depth1", "top1_depth3"} <= set(log[-1])
 
 
-def test_export_load_round_trip_and_greedy_lossless(target, trained, tmp_path):
+def test_export_load_round_trip_and_greedy_lossless(sharp_target, trained, tmp_path):
     """The trained heads, exported in bf16 and loaded through make_drafter, accept drafts in the
     engine, and greedy output equals plain decoding for several K and mixed prompt lengths."""
     task, params, _, _ = trained
@@ -167,33 +154,33 @@ def test_export_load_round_trip_and_greedy_lossless(target, trained, tmp_path):
     assert loaded.config == task.cfg
     for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(jnp.asarray(b, jnp.bfloat16), np.float32))
-    engine = Engine(target)
+    engine = Engine(sharp_target)
     rng = np.random.RandomState(4)
     prompts = [rng.randint(0, 256, n).tolist() for n in (5, 11, 1)]
     sp = [SamplingParams(max_new_tokens=24)] * 3
     plain = [r.token_ids for r in engine.generate(prompts, sp)]
     accepted = 0
     for k in (1, 3):
-        d = make_drafter(f"mtp:{path}", k, target)
+        d = make_drafter(f"mtp:{path}", k, sharp_target)
         assert isinstance(d, MTPDrafter) and d.num_draft == k
         rows = engine.generate(prompts, sp, drafter=d)
         assert [r.token_ids for r in rows] == plain
         accepted += sum(sum(r.accepted) for r in rows)
     assert accepted > 0  # both the accept and the reject paths ran
-    assert make_drafter(f"mtp:{path}", 0, target).num_draft == DEPTH  # default K: every module
+    assert make_drafter(f"mtp:{path}", 0, sharp_target).num_draft == DEPTH  # default K: every module
 
 
-def test_sampled_run_is_valid(target, weights):
+def test_sampled_run_is_valid(sharp_target, weights):
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=12, seed=1)] * 2
-    rows = Engine(target).generate([[5, 6, 7], [9, 10]], params, drafter=MTPDrafter(2, weights, target))
+    rows = Engine(sharp_target).generate([[5, 6, 7], [9, 10]], params, drafter=MTPDrafter(2, weights, sharp_target))
     for r in rows:
         assert len(r.token_ids) == 12 and all(0 <= t < 256 for t in r.token_ids)
 
 
-def test_more_drafts_than_modules_is_one_line(target, weights, tmp_path):
+def test_more_drafts_than_modules_is_one_line(sharp_target, weights, tmp_path):
     path = mtp.save(weights, str(tmp_path / "m"))
     with pytest.raises(DrafterError, match="has 3 modules, so it drafts 1..3 tokens per step; got --num-draft 4"):
-        make_drafter(f"mtp:{path}", 4, target)
+        make_drafter(f"mtp:{path}", 4, sharp_target)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -209,20 +196,20 @@ def test_drafter_for_another_target_is_one_line(weights, tmp_path, change, messa
     assert "\n" not in str(e.value)
 
 
-def test_missing_config_key_and_bad_checkpoints(weights, target, tmp_path):
+def test_missing_config_key_and_bad_checkpoints(weights, sharp_target, tmp_path):
     path = mtp.save(weights, str(tmp_path / "m"))
     cfg_file = tmp_path / "m" / "config.json"
     raw = json.loads(cfg_file.read_text())
     del raw["num_modules"]
     cfg_file.write_text(json.dumps(raw))
     with pytest.raises(DrafterError, match="missing key 'num_modules'") as e:
-        make_drafter(f"mtp:{path}", 2, target)
+        make_drafter(f"mtp:{path}", 2, sharp_target)
     assert "\n" not in str(e.value)
     with pytest.raises(DrafterError, match="not found"):
-        make_drafter(f"mtp:{tmp_path / 'nope'}", 2, target)
+        make_drafter(f"mtp:{tmp_path / 'nope'}", 2, sharp_target)
     path = mtp.save(weights, str(tmp_path / "m2"))
     w = os.path.join(path, "model.safetensors")
     with open(w, "r+b") as fh:
         fh.truncate(os.path.getsize(w) // 2)
     with pytest.raises(DrafterError, match="truncated"):
-        make_drafter(f"mtp:{path}", 2, target)
+        make_drafter(f"mtp:{path}", 2, sharp_target)

@@ -12,60 +12,24 @@ import time
 import numpy as np
 import pytest
 
-from helpers import REPO, specjax_cli_cmd
-from specjax.models.config import tiny
-from specjax.models.loading import random_model
+from helpers import REPO, SHARP_LAYERS, specjax_cli_cmd
 from train.config import RecipeError, load_recipe
 from train.data import extract_features
 from train.eagle3 import Eagle3Task
 from train.loop import OptimConfig, batch_indices, fit, read_log
 
-LAYERS = (0, 1, 3)
-
-
-def sharp_target():
-    """A tiny random target with a peaked next-token distribution (a scaled LM head), so that the
-    drafter has something to learn."""
-    from flax import nnx
-
-    model = random_model(tiny(num_layers=4), seed=1)
-    pure = nnx.to_pure_dict(model.params)
-    pure["lm_head"] = pure["lm_head"] * 25.0
-    nnx.replace_by_pure_dict(model.params, pure)
-    return model
-
-
-@pytest.fixture(scope="module")
-def target():
-    return sharp_target()
-
-
-@pytest.fixture(scope="module")
-def seqs(target):
-    """Greedy continuations of the target (like `regen` data) of random prompts."""
-    from specjax.engine import Engine
-    from specjax.sampling import SamplingParams
-
-    rng = np.random.RandomState(0)
-    prompts = [rng.randint(0, 256, 6).tolist() for _ in range(32)]
-    rows = Engine(target).generate(prompts, [SamplingParams(max_new_tokens=26)] * 32)
-    return [(p + r.token_ids, len(p)) for p, r in zip(prompts, rows)]
-
-
-@pytest.fixture(scope="module")
-def store(target, seqs, tmp_path_factory):
-    return extract_features(target, seqs, LAYERS, str(tmp_path_factory.mktemp("feat")), 32)
+LAYERS = SHARP_LAYERS
 
 
 def make_task(target, store):
     return Eagle3Task(target, store.counts, draft_vocab_size=128, target_layers=LAYERS, ttt_steps=2, eval_k=3)
 
 
-def test_loss_drops_and_acceptance_improves(target, store, tmp_path):
-    task = make_task(target, store)
+def test_loss_drops_and_acceptance_improves(sharp_target, sharp_store, tmp_path):
+    task = make_task(sharp_target, sharp_store)
     o = OptimConfig(steps=40, batch_size=8, lr=3e-3, warmup_steps=4, checkpoint_every=40, eval_every=40)
-    before = task.evaluate(task.init_params(o.seed), store)
-    fit(task, store, o, str(tmp_path), eval_store=store)
+    before = task.evaluate(task.init_params(o.seed), sharp_store)
+    fit(task, sharp_store, o, str(tmp_path), eval_store=sharp_store)
     log = read_log(str(tmp_path))
     assert len(log) == 40
     first = np.mean([r["loss"] for r in log[:4]])
@@ -76,12 +40,12 @@ def test_loss_drops_and_acceptance_improves(target, store, tmp_path):
     assert len(after["sim_per_position"]) == 3
 
 
-def test_resume_reproduces_the_next_steps_exactly(target, store, tmp_path):
+def test_resume_reproduces_the_next_steps_exactly(sharp_target, sharp_store, tmp_path):
     o = OptimConfig(steps=10, batch_size=8, lr=1e-3, warmup_steps=2, checkpoint_every=4, eval_every=0)
-    fit(make_task(target, store), store, o, str(tmp_path / "full"))
-    fit(make_task(target, store), store, o, str(tmp_path / "cut"), stop_after=6)  # checkpoint at 4, steps 5-6 lost
+    fit(make_task(sharp_target, sharp_store), sharp_store, o, str(tmp_path / "full"))
+    fit(make_task(sharp_target, sharp_store), sharp_store, o, str(tmp_path / "cut"), stop_after=6)  # checkpoint at 4, steps 5-6 lost
     assert [r["step"] for r in read_log(str(tmp_path / "cut"))] == list(range(1, 7))
-    fit(make_task(target, store), store, o, str(tmp_path / "cut"))  # resumes from step 4
+    fit(make_task(sharp_target, sharp_store), sharp_store, o, str(tmp_path / "cut"))  # resumes from step 4
     full, cut = read_log(str(tmp_path / "full")), read_log(str(tmp_path / "cut"))
     assert [r["step"] for r in cut] == list(range(1, 11))
     assert [r["loss"] for r in cut] == [r["loss"] for r in full]
@@ -98,7 +62,8 @@ SHARDED_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
     sys.path.insert(0, {tests!r})
-    from test_train import sharp_target, make_task, LAYERS
+    from helpers import sharp_target
+    from test_train import make_task, LAYERS
     from train.data import FeatureStore
     from train.loop import OptimConfig, fit, read_log
     assert len(jax.devices()) == 4
@@ -110,11 +75,11 @@ SHARDED_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_four_devices_match_one(target, store, tmp_path):
+def test_four_devices_match_one(sharp_target, sharp_store, tmp_path):
     o = OptimConfig(steps=4, batch_size=8, lr=1e-3, warmup_steps=1, checkpoint_every=4, eval_every=0)
-    fit(make_task(target, store), store, o, str(tmp_path / "one"))
+    fit(make_task(sharp_target, sharp_store), sharp_store, o, str(tmp_path / "one"))
     one = [r["loss"] for r in read_log(str(tmp_path / "one"))]
-    script = SHARDED_SCRIPT.format(tests=os.path.dirname(__file__), store=store.path, out=str(tmp_path / "four"))
+    script = SHARDED_SCRIPT.format(tests=os.path.dirname(__file__), store=sharp_store.path, out=str(tmp_path / "four"))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -208,11 +173,11 @@ def test_killed_training_resumes_on_the_same_curve(tiny_target_dir, tmp_path):
     assert summary["final_eval"]["sim_mal"] >= 1.0
 
 
-def test_final_hidden_readers_reuse_a_richer_store(target, seqs, store):
+def test_final_hidden_readers_reuse_a_richer_store(sharp_target, sharp_seqs, sharp_store):
     """MTP and the draft model (no layers) reuse an EAGLE-3 store of the same sequences (one
     shared `data.cache_dir`); a store of other sequences is not reused."""
-    stamp = os.path.getmtime(os.path.join(store.path, "final.npy"))
-    again = extract_features(target, seqs, (), store.path, 32)
-    assert again.layers == LAYERS and os.path.getmtime(os.path.join(store.path, "final.npy")) == stamp
-    other = extract_features(target, seqs[:4], (), store.path + "-other", 32)
+    stamp = os.path.getmtime(os.path.join(sharp_store.path, "final.npy"))
+    again = extract_features(sharp_target, sharp_seqs, (), sharp_store.path, 32)
+    assert again.layers == LAYERS and os.path.getmtime(os.path.join(sharp_store.path, "final.npy")) == stamp
+    other = extract_features(sharp_target, sharp_seqs[:4], (), sharp_store.path + "-other", 32)
     assert other.layers == () and len(other) == 4
