@@ -24,10 +24,6 @@ from train.draft_model import DraftDistillTask
 from train.loop import OptimConfig, fit, read_log
 
 
-
-
-
-
 @pytest.fixture(scope="module")
 def trained(sharp_target, sharp_store, tmp_path_factory):
     task = DraftDistillTask(sharp_target, num_layers=2, eval_k=3, loss_chunk=16)
@@ -152,3 +148,21 @@ def test_recipes_build_their_tasks(sharp_target):
     r = load_recipe(None, ["drafter=draft", "out_dir=x", "data={}", "optim={}", "model.num_layer=2"])
     with pytest.raises(RecipeError, match="num_layer"):
         make_task(r, sharp_target, None)
+
+
+def test_hf_assistant_export_matches_the_drafter(sharp_target, exported):
+    """The bench's HF assisted-generation peer loads the distilled draft through a complete HF
+    directory (the target's embedding and head merged in): transformers' logits equal ours."""
+    import torch
+
+    from specjax.bench.peers import assistant_dir, load_hf_causal_lm
+    from specjax.drafters.draft_model import load_with_target_tables
+
+    ours = load_with_target_tables(exported, sharp_target, "float32")
+    hf = load_hf_causal_lm(assistant_dir(exported, sharp_target))
+    ids = [[5, 17, 3, 99, 42, 7]]
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids)).logits.numpy()
+    m = ours.module()
+    mine = np.asarray(m(jnp.asarray(ids), m.new_cache(1, len(ids[0])))[0])
+    np.testing.assert_allclose(mine, theirs, atol=2e-4, rtol=1e-4)

@@ -36,8 +36,6 @@ def sharpen(w: mtp.MTPWeights, seed: int = 0) -> mtp.MTPWeights:
     return w
 
 
-
-
 @pytest.fixture(scope="module")
 def weights(sharp_target):
     return sharpen(init_weights(MTPConfig.for_target(sharp_target.config, DEPTH, intermediate_size=96), seed=3))
@@ -119,8 +117,6 @@ def test_simulator_counts_greedy_acceptance(sharp_target, weights):
             want += 1
         assert int(count[0, m]) == want and bool(starts[0, m])
     assert not bool(starts[0, 0]) and int(count[0, 4]) == 3 and int((count[0] >= 1).sum()) > t // 2
-
-
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,9 @@
 * `hf`: HF transformers on PyTorch CPU, `torch.set_num_threads(cores)`, f32, the target loaded
   from the same file as specjax's (a GGUF through `gguf_file=`, or the HF directory): plain
   greedy/sampled `generate`, prompt lookup (`prompt_lookup_num_tokens=K`), and assisted
-  generation (`assistant_model=`, constant K) for every `draft:PATH` drafter in `--drafters`.
+  generation (`assistant_model=`, constant K) for every `draft[:PATH]` drafter in `--drafters`
+  (a distilled draft model, which borrows the target's embedding and head, is first written out
+  as a complete HF directory so that transformers can load it).
 * `llamacpp`: llama.cpp's Python binding (`llama_cpp`), when importable and the model is a GGUF
   (it then runs the file's own quantised weights): plain and prompt lookup. Otherwise it is
   skipped with one line, not an error: it is an optional comparison.
@@ -77,6 +79,24 @@ def load_hf_causal_lm(source: str):
     return m.eval()
 
 
+def assistant_dir(path: str, target) -> str:
+    """An HF directory transformers can load for the `draft[:PATH]` drafter: PATH itself, or for
+    a distilled draft model (the shipped one when PATH is empty) a temporary export with the
+    target's embedding and head merged in."""
+    from specjax.drafters import shipped_path
+    from specjax.drafters.draft_model import borrows_target_tables, load_with_target_tables
+
+    path = path or shipped_path("draft")
+    if not borrows_target_tables(path):
+        return path
+    import tempfile
+
+    from specjax.models.loading.export import save_hf
+
+    out = tempfile.mkdtemp(prefix="specjax-assistant-")
+    return save_hf(load_with_target_tables(path, target, "float32"), out)
+
+
 class HFPeer:
     """A HF transformers causal LM behind the peer interface (`configs`, `generate`)."""
 
@@ -91,14 +111,14 @@ class HFPeer:
     def load(cls, source: str, eos_ids, threads: int | None = None) -> HFPeer:
         return cls(load_hf_causal_lm(source), eos_ids, threads)
 
-    def configs(self, num_drafts: list[int], drafter_specs: list[str]) -> list[PeerConfig]:
+    def configs(self, num_drafts: list[int], drafter_specs: list[str], target=None) -> list[PeerConfig]:
         out = [PeerConfig("plain", 0, "none")]
         out += [PeerConfig("prompt_lookup", k, "prompt_lookup") for k in num_drafts]
         for spec in drafter_specs:
             kind, _, path = spec.partition(":")
-            if kind == "draft" and path:
-                assistant = load_hf_causal_lm(path)
-                out += [PeerConfig("assisted", k, f"assisted:{path}", assistant) for k in num_drafts]
+            if kind == "draft":
+                assistant = load_hf_causal_lm(assistant_dir(path, target))
+                out += [PeerConfig("assisted", k, f"assisted:{path or 'draft'}", assistant) for k in num_drafts]
         return out
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
@@ -172,7 +192,7 @@ def prepare_peers(names: list[str], model, drafter_specs: list[str], num_drafts:
     for name in names:
         if name == "hf":
             peer = HFPeer.load(model.source, eos, threads)
-            peers.append((peer, peer.configs(num_drafts, drafter_specs)))
+            peers.append((peer, peer.configs(num_drafts, drafter_specs, model)))
         elif name == "llamacpp":
             if importlib.util.find_spec("llama_cpp") is None:
                 skipped[name] = "the llama_cpp package is not installed (pip install llama-cpp-python)"

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.drafters import checkpoint
 from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext
 from specjax.errors import DrafterError, ModelLoadError
 from specjax.models.loading import Model
@@ -93,11 +94,9 @@ def load_with_target_tables(path: str, target: Model, dtype: str | None = None) 
     except ModelLoadError as e:
         raise DrafterError(f"{cfg_path}: {e}") from None
     tc = target.config
-    for what, mine, theirs in [("hidden size", info["target_hidden_size"], tc.hidden_size),
-                               ("vocab size", info["target_vocab_size"], tc.vocab_size),
-                               ("layer count", info["target_num_layers"], tc.num_layers)]:
-        if mine != theirs:
-            raise DrafterError(f"{source} was trained for a target with {what} {mine}, but this target has {theirs}")
+    checkpoint.check_target([("hidden size", info["target_hidden_size"], tc.hidden_size),
+                             ("vocab size", info["target_vocab_size"], tc.vocab_size),
+                             ("layer count", info["target_num_layers"], tc.num_layers)], source)
     if (cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings) != (tc.hidden_size, tc.vocab_size,
                                                                        tc.tie_word_embeddings):
         raise DrafterError(f"{source} cannot use this target's embedding and head: hidden size, vocab size or "
