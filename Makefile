@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine:
-#   make demo   - create .venv, install specjax + the embedded default model, generate a reply
+#   make demo   - create .venv, install specjax + the embedded default model, generate a reply with
+#                 the shipped EAGLE-3 drafter, then plain decoding in the same run for the speedup
 #   make test   - create .venv if needed, install the test extras, run the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -26,7 +27,7 @@ $(VENV)/.test-installed: $(VENV)/.installed
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/specjax generate --max-new-tokens 128 "$(PROMPT)"
+	$(VENV)/bin/specjax generate --drafter eagle3 --compare-plain --max-new-tokens 128 "$(PROMPT)"
 
 test: $(VENV)/.test-installed
 	$(PY) -m pytest -q

@@ -177,6 +177,9 @@ def _truncate_log(path: str, step: int) -> None:
 
 
 def read_log(out_dir: str) -> list[dict]:
+    """The per-step records so far ([] before the first step)."""
+    if not os.path.exists(os.path.join(out_dir, "log.jsonl")):
+        return []
     with open(os.path.join(out_dir, "log.jsonl")) as fh:
         return [json.loads(line) for line in fh if line.strip()]
 
