@@ -111,6 +111,19 @@ def test_greedy_lossless_in_engine(target, weights):
         assert all(len(r.checked) == k for r in rows)
 
 
+@pytest.mark.parametrize("gate", [0.02, 1.01])
+def test_confidence_gate_is_lossless(target, weights, gate):
+    """Rows below the gate take plain steps (1.01: always); output is plain decoding's either way."""
+    engine = Engine(target)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    params = [SamplingParams(max_new_tokens=16)] * 2
+    plain = [r.token_ids for r in engine.generate(prompts, params)]
+    rows = engine.generate(prompts, params, drafter=Eagle3Drafter(3, weights, target, min_confidence=gate))
+    assert [r.token_ids for r in rows] == plain
+    checked = sum(sum(r.checked) for r in rows)
+    assert checked == 0 if gate > 1 else checked > 0
+
+
 def test_sampled_run_is_valid(target, weights):
     engine = Engine(target)
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=16, seed=1)] * 2

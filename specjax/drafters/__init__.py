@@ -67,5 +67,5 @@ def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = N
 
         path = arg or _shipped_or_error("eagle3")
         weights = eagle3.load(path, dtype=target.dtype)
-        return eagle3.Eagle3Drafter(k, weights, target)
+        return eagle3.Eagle3Drafter(k, weights, target, min_confidence=eagle3.default_min_confidence())
     raise DrafterError(f"unknown drafter {spec!r} (known: {', '.join(KNOWN)})")

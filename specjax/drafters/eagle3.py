@@ -209,19 +209,36 @@ class Eagle3State:
     g_last: jax.Array  # [B, D] drafter output at position m - 1 (gives draft 1)
 
 
+# The confidence gate `make_drafter` uses on CPU, where a verify pass of K + 1 <= 8 tokens costs
+# 1.4-1.8x a plain step (docs/performance.md). On GPU/TPU at small batch verifying is nearly
+# free (decoding is bound by reading the weights), so the gate is off there.
+CPU_MIN_CONFIDENCE = 0.0
+
+
+def default_min_confidence() -> float:
+    return CPU_MIN_CONFIDENCE if jax.default_backend() == "cpu" else 0.0
+
+
 class Eagle3Drafter(Drafter):
+    """Chain drafting with a confidence gate: a row is `active` (worth a (K+1)-token verify) only
+    when the drafter's probability of its first draft is at least `min_confidence`; when no live
+    row is, the engine takes a plain one-token step instead (lossless either way). The drafter's
+    first-token probability tracks the chance that the target accepts it, and a verify pass costs
+    more than a plain step, so low-confidence steps are cheaper undrafted. 0 = always verify."""
+
     name = "eagle3"
     needs_final_hidden = False
 
-    def __init__(self, num_draft: int, weights: Eagle3Weights, target):
+    def __init__(self, num_draft: int, weights: Eagle3Weights, target, min_confidence: float = 0.0):
         super().__init__(num_draft)
         weights.config.check_target(target.config, f"EAGLE-3 drafter {weights.source}".strip())
         self.weights = weights
         self.target = target
         self.hidden_layers = weights.config.target_layers
+        self.min_confidence = float(min_confidence)
 
     def cache_key(self):
-        return super().cache_key() + (id(self.weights), self.hidden_layers)
+        return super().cache_key() + (id(self.weights), self.hidden_layers, self.min_confidence)
 
     def params(self):
         return {"net": self.weights.params, "d2t": self.weights.d2t, "embed": self.target.params["embed"][...]}
@@ -249,19 +266,23 @@ class Eagle3Drafter(Drafter):
         net = nnx.merge(self.weights.graphdef, dparams["net"])
         keys = jax.random.split(ctx.key, self.num_draft)
         cache, g = st.cache, st.g_last
-        drafts, qs = [], []
+        drafts, qs, active = [], [], None
         for i in range(self.num_draft):  # K is small and static: unrolled
             if i > 0:  # position m + i - 1: embed(d_i) with the drafter's own feature
                 emb = jnp.take(dparams["embed"], drafts[-1], axis=0)[:, None].astype(g.dtype)  # [B, 1, D]
                 g1, cache = net.step(emb, g[:, None], cache)
                 cache, g = cache.advance(1), g1[:, 0]
-            tok, q = self._draft_token(dparams, net.logits(g), keys[i], ctx)
+            logits = net.logits(g)  # [B, N]
+            if i == 0 and self.min_confidence > 0:
+                conf = jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1)  # [B]
+                active = conf >= self.min_confidence
+            tok, q = self._draft_token(dparams, logits, keys[i], ctx)
             drafts.append(tok.astype(jnp.int32))
             qs.append(q)
         draft = jnp.stack(drafts, axis=1)  # [B, K]
         q = None if ctx.all_greedy else jnp.stack(qs, axis=1)  # [B, K, V]
         # Scratch entries written past m are overwritten by commit; lengths go back to m.
-        return Proposal(draft, q), st.replace(cache=cache.with_lengths(st.cache.lengths))
+        return Proposal(draft, q, active), st.replace(cache=cache.with_lengths(st.cache.lengths))
 
     def commit(self, dparams, st: Eagle3State, ctx: CommitContext):
         net = nnx.merge(self.weights.graphdef, dparams["net"])
