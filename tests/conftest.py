@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from helpers import SHARP_LAYERS, hf_llama_config, sharp_target as make_sharp_target
+from helpers import SHARP_LAYERS, sharp_target as make_sharp_target, tiny_checkpoint_with_tokenizer
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -73,26 +73,11 @@ def hf_gguf_model(default_gguf_path):
 def tiny_tok_dir(tmp_path_factory, default_model):
     """A tiny random HF checkpoint (vocab 49152, context 64) with the default model's tokenizer,
     so the CLI can run string prompts on it in a second instead of loading the real model."""
-    from transformers import LlamaForCausalLM
-
-    import torch
-
-    d = str(tmp_path_factory.mktemp("tiny_tok"))
-    torch.manual_seed(0)
-    cfg = hf_llama_config(
-        vocab_size=default_model.config.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
-    default_model.tokenizer.save_pretrained(d)
-    return d
+    return tiny_checkpoint_with_tokenizer(
+        str(tmp_path_factory.mktemp("tiny_tok")), default_model.tokenizer,
+        vocab_size=default_model.config.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+        tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")

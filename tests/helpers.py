@@ -102,3 +102,15 @@ def sharp_target():
     pure["lm_head"] = pure["lm_head"] * 25.0
     nnx.replace_by_pure_dict(model.params, pure)
     return model
+
+
+def tiny_checkpoint_with_tokenizer(out_dir: str, tokenizer, seed: int = 0, **config) -> str:
+    """Write a tiny random HF Llama checkpoint (`hf_llama_config(**config)`) plus `tokenizer`:
+    string prompts and the chat template work on it in a second instead of the real model."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(hf_llama_config(**config)).save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from helpers import hf_llama_config, specjax_cli_cmd
+from helpers import specjax_cli_cmd, tiny_checkpoint_with_tokenizer
 
 MAX_NEW = 8
 BATCH = 4
@@ -59,17 +59,11 @@ def read_rows(path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, default_model):
-    import torch
-    from transformers import LlamaForCausalLM
-
-    d = str(tmp_path_factory.mktemp("batch_model"))
-    torch.manual_seed(0)
-    cfg = hf_llama_config(vocab_size=default_model.config.vocab_size, hidden_size=64, intermediate_size=128,
-                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                          max_position_embeddings=256, initializer_range=0.3)
-    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
-    default_model.tokenizer.save_pretrained(d)
-    return d
+    return tiny_checkpoint_with_tokenizer(
+        str(tmp_path_factory.mktemp("batch_model")), default_model.tokenizer,
+        vocab_size=default_model.config.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        initializer_range=0.3)
 
 
 @pytest.fixture(scope="module")

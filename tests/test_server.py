@@ -26,7 +26,7 @@ from specjax.serving.scheduler import Scheduler, build_scheduler
 from specjax.serving.server import ServerThread, build_app
 from specjax.serving.slots import SlotEngine
 
-from helpers import hf_llama_config, specjax_cli_cmd
+from helpers import specjax_cli_cmd, tiny_checkpoint_with_tokenizer
 
 openai = pytest.importorskip("openai")
 
@@ -42,17 +42,11 @@ PROMPTS = ["Tell me about the sea.", "Write a haiku about autumn leaves.", "What
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory, default_model):
     """A tiny random HF checkpoint (context 256) with the default model's tokenizer."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    d = str(tmp_path_factory.mktemp("tiny_chat"))
-    torch.manual_seed(0)
-    cfg = hf_llama_config(vocab_size=default_model.config.vocab_size, hidden_size=32, intermediate_size=64,
-                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                          max_position_embeddings=256, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
-    default_model.tokenizer.save_pretrained(d)
-    return d
+    return tiny_checkpoint_with_tokenizer(
+        str(tmp_path_factory.mktemp("tiny_chat")), default_model.tokenizer,
+        vocab_size=default_model.config.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+        tie_word_embeddings=True)
 
 
 def start(model, sched: Scheduler, name: str):
