@@ -84,6 +84,21 @@ def test_shipped_drafters_are_lossless_and_accept(engine, prompt_ids, plain, def
     assert emitted / steps > 1.2, (kind, emitted, steps)  # trained: well above plain decoding's 1.0
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "draft"])
+def test_shipped_drafters_are_small_and_say_how_they_were_trained(kind):
+    import json
+    import os
+
+    from specjax.drafters import shipped_path
+
+    path = shipped_path(kind)
+    assert os.path.getsize(os.path.join(path, "model.safetensors")) <= 25 * 2**20
+    with open(os.path.join(path, "config.json")) as fh:
+        cfg = json.load(fh)
+    assert f"train {kind} --config configs/{kind}-smollm2.yaml" in cfg["trained_with"]
+    assert cfg["final_eval"]["sim_mal"] > 1.0
+
+
 def test_full_draft_model_accepts_everything(engine, prompt_ids, default_model):
     """The target as its own drafter: every greedy draft is accepted (MAL = K + 1)."""
     k = 3

@@ -119,7 +119,8 @@ def run(recipe: Recipe, console: Console | None = None, stop_after: int | None =
         raise RecipeError(f"unknown drafter to train {recipe.drafter!r} (known: {', '.join(TASKS)})")
     target = load_model(recipe.target, dtype="float32")
     layers = feature_layers(recipe, target)
-    summary: dict = {"recipe": recipe.to_dict(), "command": " ".join(shlex.quote(a) for a in sys.argv)}
+    argv = ["specjax", *sys.argv[1:]] if os.path.basename(sys.argv[0]) == "specjax" else sys.argv
+    summary: dict = {"recipe": recipe.to_dict(), "command": " ".join(shlex.quote(a) for a in argv)}
     stores = {}
     for split in ("train", "eval"):
         t0 = time.perf_counter()
