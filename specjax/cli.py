@@ -252,7 +252,7 @@ def cmd_serve_bench(a) -> int:
 
 
 def add_serving_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default="ngram", help="none | ngram | draft:PATH | eagle3[:PATH] | mtp[:PATH] "
+    p.add_argument("--drafter", default="ngram", help="none | ngram | draft:PATH | eagle3[:PATH][@GATE] | mtp[:PATH] "
                    "(mtp: one K, e.g. --ks 3)")
     p.add_argument("--config", default=None, help="serving config YAML, e.g. configs/serving-policy.yaml")
     p.add_argument("--policy", default=None, choices=["rules", "always", "never", "schedule"],
@@ -286,7 +286,7 @@ def build_parser() -> ArgumentParser:
     g = sub.add_parser("generate", help="generate replies to prompts")
     add_model_args(g)
     add_sampling_args(g)
-    g.add_argument("--drafter", default="none", help="none | ngram | draft:PATH | mtp[:PATH] | eagle3[:PATH]")
+    g.add_argument("--drafter", default="none", help="none | ngram | draft:PATH | mtp[:PATH] | eagle3[:PATH][@GATE]")
     g.add_argument("--num-draft", type=int, default=0, help="K, draft tokens per step")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     g.add_argument("--compare-plain", action="store_true", help="also decode the prompts without the drafter "
@@ -303,7 +303,7 @@ def build_parser() -> ArgumentParser:
     b.add_argument("--prompts", dest="prompts_file", default=None, help="a JSONL file of prompts (prompt or messages)")
     b.add_argument("--limit", type=int, default=None, help="use the first N prompts of each suite")
     b.add_argument("--drafters", default="ngram",
-                   help="comma-separated drafter specs: none, ngram, draft:PATH, mtp[:PATH], eagle3[:PATH], ... "
+                   help="comma-separated drafter specs: none, ngram, draft:PATH, mtp[:PATH], eagle3[:PATH][@GATE], ... "
                    "(plain decoding is always run)")
     b.add_argument("--num-draft", default="3,5", help="comma-separated K values")
     b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes")
@@ -333,7 +333,7 @@ def build_parser() -> ArgumentParser:
     j.add_argument("--output", required=True, help="results JSONL (appended; rerun the same command to resume)")
     add_model_args(j)
     add_sampling_args(j)
-    j.add_argument("--drafter", default="none", help="none | ngram | draft:PATH | mtp[:PATH] | eagle3[:PATH]")
+    j.add_argument("--drafter", default="none", help="none | ngram | draft:PATH | mtp[:PATH] | eagle3[:PATH][@GATE]")
     j.add_argument("--num-draft", type=int, default=0, help="K, draft tokens per step")
     j.add_argument("--batch-size", type=int, default=None, help="rows per batch (default: 16 for the batch "
                    "latency class, 1 for interactive)")

@@ -175,3 +175,15 @@ def test_missing_or_corrupt_checkpoint(tmp_path, weights, target):
         fh.truncate(os.path.getsize(w) // 2)
     with pytest.raises(DrafterError):
         make_drafter(f"eagle3:{path}", 3, target)
+
+
+def test_gate_in_the_drafter_spec(target, weights, tmp_path):
+    from specjax.drafters import make_drafter
+    from specjax.drafters.eagle3 import save
+
+    path = save(weights, str(tmp_path / "d"))
+    assert make_drafter(f"eagle3:{path}@0.25", 3, target).min_confidence == 0.25
+    assert make_drafter(f"eagle3:{path}@0", 3, target).min_confidence == 0.0
+    for bad, msg in (("@high", "must be a number"), ("@1.5", "must be in")):
+        with pytest.raises(DrafterError, match=msg):
+            make_drafter(f"eagle3:{path}{bad}", 3, target)

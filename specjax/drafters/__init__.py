@@ -1,9 +1,11 @@
 """Drafters: one proposer per method behind the protocol in `base.py`.
 
 `make_drafter(spec, num_draft, target)` turns a CLI/API drafter spec into a drafter:
-`none` | `ngram` | `draft[:PATH]` | `mtp[:PATH]` | `eagle3[:PATH]`. A bare learned-drafter name
-means the one shipped for the default model (`shipped/<name>-smollm2-135m/`, see
+`none` | `ngram` | `draft[:PATH]` | `mtp[:PATH]` | `eagle3[:PATH][@GATE]`. A bare learned-drafter
+name means the one shipped for the default model (`shipped/<name>-smollm2-135m/`, see
 `shipped_path`). MTP drafts at most one token per trained module; its K defaults to that count.
+EAGLE-3's GATE is its confidence gate (`Eagle3Drafter`): `eagle3@0` verifies every step; the
+default is `eagle3.default_min_confidence()` (on CPU only).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from specjax.drafters.base import Drafter, NoDrafter
 from specjax.errors import DrafterError
 
 DEFAULT_NUM_DRAFT = {"ngram": 5, "draft": 5, "eagle3": 5}
-KNOWN = ("none", "ngram", "draft[:PATH]", "mtp[:PATH]", "eagle3[:PATH]")
+KNOWN = ("none", "ngram", "draft[:PATH]", "mtp[:PATH]", "eagle3[:PATH][@GATE]")
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "shipped")
 SHIPPED_FOR = "smollm2-135m"
 
@@ -32,10 +34,27 @@ def _shipped_or_error(kind: str) -> str:
     return path
 
 
+def _gate_suffix(arg: str, spec: str) -> tuple[str, float | None]:
+    """`PATH@G` / `@G`: the confidence gate G in [0, 1] (0 = verify every step), else None."""
+    path, at, gate = arg.rpartition("@")
+    if not at:
+        return arg, None
+    try:
+        g = float(gate)
+    except ValueError:
+        raise DrafterError(f"{spec!r}: the gate after '@' must be a number in [0, 1], got {gate!r}") from None
+    if not 0.0 <= g <= 1.0:
+        raise DrafterError(f"{spec!r}: the gate after '@' must be in [0, 1], got {g}")
+    return path, g
+
+
 def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = None, load=None) -> Drafter:
     """`load(path, dtype)` loads a draft model (defaults to `specjax.load_model`)."""
     spec = (spec or "none").strip()
     kind, _, arg = spec.partition(":")
+    if "@" in kind:  # `eagle3@0.5` = `eagle3:@0.5`
+        kind, _, gate = kind.partition("@")
+        arg = f"{arg}@{gate}"
     if num_draft < 0:
         raise DrafterError(f"num_draft must be >= 0, got {num_draft}")
     if kind == "none":
@@ -65,7 +84,9 @@ def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = N
     if kind == "eagle3":
         from specjax.drafters import eagle3
 
+        arg, gate = _gate_suffix(arg, spec)
         path = arg or _shipped_or_error("eagle3")
         weights = eagle3.load(path, dtype=target.dtype)
-        return eagle3.Eagle3Drafter(k, weights, target, min_confidence=eagle3.default_min_confidence())
+        gate = eagle3.default_min_confidence() if gate is None else gate
+        return eagle3.Eagle3Drafter(k, weights, target, min_confidence=gate)
     raise DrafterError(f"unknown drafter {spec!r} (known: {', '.join(KNOWN)})")
