@@ -72,7 +72,7 @@ def check_drafter_names(specs: list[str]) -> None:
     from specjax.drafters import KNOWN
 
     for s in specs:
-        kind = s.strip().partition(":")[0]
+        kind = s.strip().partition(":")[0].partition("@")[0]  # `eagle3@0.5`: a gated EAGLE-3
         if kind not in kinds:
             raise DrafterError(f"unknown drafter {s!r} (known: {', '.join(KNOWN)})")
 
