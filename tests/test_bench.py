@@ -170,17 +170,17 @@ def test_hf_peer_greedy_matches_specjax_plain(default_model, hf_gguf_model):
     assert theirs == ours.token_ids
 
 
-@pytest.mark.parametrize("args, message", [
-    (["nosuchsuite"], "unknown suite 'nosuchsuite'"),
-    (["humaneval", "--drafters", "ngram,nosuchdrafter"], "unknown drafter 'nosuchdrafter' (known: none, ngram"),
-    (["humaneval", "--peers", "hf,vllm"], "unknown peer 'vllm'"),
-])
 def test_gated_eagle3_spec_passes_the_name_check():
     from specjax.bench.speculative import check_drafter_names
 
     check_drafter_names(["eagle3@0", "eagle3:some/dir@0.5", "ngram"])
 
 
+@pytest.mark.parametrize("args, message", [
+    (["nosuchsuite"], "unknown suite 'nosuchsuite'"),
+    (["humaneval", "--drafters", "ngram,nosuchdrafter"], "unknown drafter 'nosuchdrafter' (known: none, ngram"),
+    (["humaneval", "--peers", "hf,vllm"], "unknown peer 'vllm'"),
+])
 def test_bad_bench_input_is_one_line_exit_2(args, message):
     p = subprocess.run(specjax_cli_cmd() + ["bench", *args], capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 2, p.stderr
