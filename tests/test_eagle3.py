@@ -111,6 +111,15 @@ def test_greedy_lossless_in_engine(target, weights):
         assert all(len(r.checked) == k for r in rows)
 
 
+def test_prompt_that_fills_the_history_bucket(target, weights):
+    """Prompt bucket T = 128 and cache/history size S = 128 (100 + 20 new + K + 2 <= 128)."""
+    engine = Engine(target)
+    prompt = np.random.RandomState(7).randint(0, 256, 100).tolist()
+    params = [SamplingParams(max_new_tokens=20)]
+    plain = engine.generate([prompt], params)[0].token_ids
+    assert engine.generate([prompt], params, drafter=Eagle3Drafter(3, weights, target))[0].token_ids == plain
+
+
 @pytest.mark.parametrize("gate", [0.02, 1.01])
 def test_confidence_gate_is_lossless(target, weights, gate):
     """Rows below the gate take plain steps (1.01: always); output is plain decoding's either way."""

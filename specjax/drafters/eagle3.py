@@ -258,7 +258,9 @@ class Eagle3Drafter(Drafter):
     def init(self, dparams, ctx: InitContext):
         net = nnx.merge(self.weights.graphdef, dparams["net"])
         b, t = ctx.prompt.shape
-        nxt = ctx.history[:, 1 : t + 1]  # [B, T]: x_{t+1}, the first emitted token at t = P - 1
+        # [B, T]: x_{t+1}, the first emitted token at t = P - 1. The history may be no longer than
+        # the prompt bucket (S = T when the prompt fills it): the clamped tail is padding.
+        nxt = jnp.take(ctx.history, jnp.minimum(jnp.arange(1, t + 1), ctx.history.shape[1] - 1), axis=1)
         emb = jnp.take(dparams["embed"], nxt, axis=0).astype(net.fc[...].dtype)  # [B, T, D]
         cache = net.new_cache(b, ctx.cache_size)
         g, cache = net.step(emb, net.fuse(ctx.target_hidden), cache)  # [B, T, D]
