@@ -69,10 +69,10 @@ def check_drafter_names(specs: list[str]) -> None:
         raise DrafterError("--drafters is empty (give none, ngram, draft:PATH, ...)")
     if kinds is None:
         return
-    from specjax.drafters import KNOWN
+    from specjax.drafters import KNOWN, split_spec
 
     for s in specs:
-        kind = s.strip().partition(":")[0].partition("@")[0]  # `eagle3@0.5`: a gated EAGLE-3
+        kind = split_spec(s)[0]
         if kind not in kinds:
             raise DrafterError(f"unknown drafter {s!r} (known: {', '.join(KNOWN)})")
 

@@ -34,6 +34,15 @@ def _shipped_or_error(kind: str) -> str:
     return path
 
 
+def split_spec(spec: str) -> tuple[str, str]:
+    """`kind[:ARG]` -> (kind, ARG); `eagle3@0.5` is read as `eagle3:@0.5` (a gated EAGLE-3)."""
+    kind, _, arg = spec.strip().partition(":")
+    if "@" in kind:
+        kind, _, gate = kind.partition("@")
+        arg = f"{arg}@{gate}"
+    return kind, arg
+
+
 def _gate_suffix(arg: str, spec: str) -> tuple[str, float | None]:
     """`PATH@G` / `@G`: the confidence gate G in [0, 1] (0 = verify every step), else None."""
     path, at, gate = arg.rpartition("@")
@@ -51,10 +60,7 @@ def _gate_suffix(arg: str, spec: str) -> tuple[str, float | None]:
 def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = None, load=None) -> Drafter:
     """`load(path, dtype)` loads a draft model (defaults to `specjax.load_model`)."""
     spec = (spec or "none").strip()
-    kind, _, arg = spec.partition(":")
-    if "@" in kind:  # `eagle3@0.5` = `eagle3:@0.5`
-        kind, _, gate = kind.partition("@")
-        arg = f"{arg}@{gate}"
+    kind, arg = split_spec(spec)
     if num_draft < 0:
         raise DrafterError(f"num_draft must be >= 0, got {num_draft}")
     if kind == "none":
