@@ -43,9 +43,9 @@ def _layer(model, i: int) -> sj.DecoderLayer:
 
 
 def _empty_layer_cache(cfg, b: int, s: int):
-    """One layer's empty K and V buffers ([B*KV, S, H] and [B*KV, H, S], see kv_cache.py)."""
+    """One layer's empty K and V buffers (both [B*KV, S, H], see kv_cache.py)."""
     kv, h = cfg.num_kv_heads, cfg.head_dim
-    return jnp.zeros((b * kv, s, h)), jnp.zeros((b * kv, h, s))
+    return jnp.zeros((b * kv, s, h)), jnp.zeros((b * kv, s, h))
 
 
 def _inputs(seed: int, *shape) -> tuple[np.ndarray, torch.Tensor]:
@@ -169,7 +169,7 @@ def test_attention(num_kv_heads, scaled):
     assert rel_err(got, want.numpy()) <= TOL
     # The cache holds the roped keys and the values; back to HF layout [B, T, KV, H].
     k_cache = k_cache.reshape(B, num_kv_heads, s, -1).transpose(0, 2, 1, 3)
-    v_cache = v_cache.reshape(B, num_kv_heads, -1, s).transpose(0, 3, 1, 2)
+    v_cache = v_cache.reshape(B, num_kv_heads, s, -1).transpose(0, 2, 1, 3)
     attn = hf.model.layers[1].self_attn
     with torch.no_grad():
         k_hf = attn.k_proj(xt).view(B, T, num_kv_heads, -1).transpose(1, 2)

@@ -32,7 +32,7 @@ d_1..d_{k-1}; when those drafts were accepted (equal to the true tokens) this is
 teacher-forced training forward of train/mtp.py, which is what the acceptance of draft k needs
 (tests/test_mtp.py checks it step by step, with rejections).
 
-State: `cache` K layers (module k in layer k - 1, keys [B*KV, S, H], values [B*KV, H, S]) with
+State: `cache` K layers (module k in layer k - 1, keys and values [B*KV, S, H]) with
 lengths c [B]; `fin [B, L, D]` the target's final hidden at positions c .. c + L - 1 with
 L = W + K + 1 (valid below m); `m [B]`. Cost per step: K modules over W positions to propose
 and over K + 1 positions to commit, plus K LM-head products.

@@ -12,8 +12,9 @@ CPU. Unrolling costs compile time (roughly linear in depth), not run time.
 Weights keep the HF `[out, in]` layout and matmuls are `W @ x` ("OI,MI->OM"), the form XLA CPU
 runs fastest at M = 1 (a matrix-vector product); the few verify tokens of speculative decoding
 take a fused multiply-reduce on CPU instead (see `linear`). QKV and gate/up
-projections are fused into one matmul each. The KV cache layout (per layer, keys `[B*KV, S, H]`
-and values `[B*KV, H, S]`) is chosen for the same dot kernels; see kv_cache.py.
+projections are fused into one matmul each. The KV cache layout (per layer, keys and values
+`[B*KV, S, H]`) and the `[B*KV, S, M]` score layout are chosen for the same dot kernels; see
+kv_cache.py.
 
 Hidden-state hook: `collect=(i, j, ...)` returns the outputs of decoder layers i, j, ... (0-based;
 HF's `hidden_states[i + 1]`), stacked `[n, B, T, D]`. EAGLE-3 fuses a low, middle and high layer;
@@ -127,25 +128,25 @@ class Attention(nnx.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def __call__(self, x, cos, sin, k_cache, v_cache, starts):
-        """x `[B, T, Din]`; k_cache `[B*KV, S, H]`; v_cache `[B*KV, H, S]` (kv_cache.py); starts
-        `[B]` (= cache lengths). Returns the output `[B, T, D]` and both caches with the T new
-        positions written."""
+        """x `[B, T, Din]`; k_cache, v_cache `[B*KV, S, H]` (kv_cache.py); starts `[B]` (= cache
+        lengths). Returns the output `[B, T, D]` and both caches with the T new positions written."""
         cfg = self.cfg
         b, t, _ = x.shape
         n, kv, h, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_groups
         q, k, v = self.project(x, cos, sin)
         k_cache, v_cache = write_layer(k_cache, v_cache, k, v, starts)
 
-        # Queries grouped by KV head: row (b, j) of the cache serves M = T*G query vectors.
+        # Queries grouped by KV head: row (b, j) of the cache serves M = T*G query vectors. Scores
+        # are `[B*KV, S, M]` (S major, softmax over axis 1): XLA CPU then streams K and V.
         s = k_cache.shape[1]
         q = q.reshape(b, t, kv, g, h).transpose(0, 2, 1, 3, 4).reshape(b * kv, t * g, h)  # [B*KV, M, H]
         q_pos = starts[:, None] + jnp.arange(t)  # [B, T]
-        mask = jnp.arange(s)[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
-        mask = jnp.broadcast_to(mask[:, None, :, None], (b, kv, t, g, s)).reshape(b * kv, t * g, s)
-        scores = jnp.einsum("NMH,NSH->NMS", q, k_cache, preferred_element_type=jnp.float32) / math.sqrt(h)
+        mask = jnp.arange(s)[None, :, None] <= q_pos[:, None, :]  # [B, S, T]
+        mask = jnp.broadcast_to(mask[:, None, :, :, None], (b, kv, s, t, g)).reshape(b * kv, s, t * g)
+        scores = jnp.einsum("NSH,NMH->NSM", k_cache, q, preferred_element_type=jnp.float32) / math.sqrt(h)
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-        out = jnp.einsum("NMS,NHS->NMH", probs, v_cache)  # [B*KV, M, H]
+        probs = jax.nn.softmax(scores, axis=1).astype(v_cache.dtype)  # [B*KV, S, M]
+        out = jnp.einsum("NSM,NSH->NMH", probs, v_cache)  # [B*KV, M, H]
         out = out.reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4)  # [B, T, KV, G, H]
         return linear(self.o[...], out.reshape(b, t, n * h)), k_cache, v_cache
 
