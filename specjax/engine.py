@@ -50,6 +50,12 @@ def bucket_multiple(n: int, m: int) -> int:
     return max(m, -(-n // m) * m)
 
 
+def bucket_prompt(n: int) -> int:
+    """Prompt bucket T of `Engine.generate`: a power of two up to 1024, then a multiple of 1024
+    (a 5k-token prompt pads to 5120, not 8192)."""
+    return bucket_pow2(n) if n <= 1024 else bucket_multiple(n, 1024)
+
+
 @struct.dataclass
 class LoopState:
     cache: KVCache  # target cache: every emitted token but the last
@@ -80,11 +86,55 @@ class RowOutput:
     decode_seconds: float
 
 
+# Attention scores of one prefill pass are `[B*KV, S, T*G]` f32: a batch of long prompts in one
+# pass would need tens of GB (32 rows of a 5k-token prompt: ~50 GB). Longer prompts are run in
+# chunks of C positions (T halved until the scores fit), each attending to the
+# cache the previous chunks wrote, so the scores stay under this many bytes.
+PREFILL_SCORE_BYTES = 256 << 20
+
+
+def prefill_chunk(b: int, t: int, s: int, num_heads: int) -> int:
+    """Positions per prefill pass for `b` rows, prompt bucket `t`, cache size `s` (divides t)."""
+    c = t
+    while c > 16 and c % 2 == 0 and b * num_heads * s * c * 4 > PREFILL_SCORE_BYTES:
+        c //= 2
+    return c
+
+
 def _prefill(graphdef, params, prompt, prompt_len, *, cache_size, collect, want_final):
+    """prompt `[B, T]` (right-padded), prompt_len `[B]` -> (cache with lengths = prompt_len,
+    last-position logits `[B, V]`, collected hidden `[n, B, T, D]` or None, final hidden
+    `[B, T, D]` or None)."""
     model = nnx.merge(graphdef, params)
-    cache = model.new_cache(prompt.shape[0], cache_size)
-    h, cache, hidden = model.hidden(prompt, cache, collect=collect)  # h [B, T, D]
-    last_h = jnp.take_along_axis(h, (prompt_len - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    b, t = prompt.shape
+    cache = model.new_cache(b, cache_size)
+    c = prefill_chunk(b, t, cache_size, model.cfg.num_heads)
+    last = (prompt_len - 1)[:, None, None]  # [B, 1, 1]
+    if c == t:
+        h, cache, hidden = model.hidden(prompt, cache, collect=collect)  # h [B, T, D]
+        last_h = jnp.take_along_axis(h, last, axis=1)[:, 0]  # [B, D]
+    else:
+        d = model.cfg.hidden_size
+        dtype = model.embed[...].dtype
+        h = jnp.zeros((b, t, d), dtype) if want_final else None
+        hidden = jnp.zeros((len(collect), b, t, d), dtype) if collect else None
+
+        def chunk(i, carry):
+            cache, last_h, h, hidden = carry
+            lo = i * c
+            toks = jax.lax.dynamic_slice_in_dim(prompt, lo, c, axis=1)  # [B, C]
+            h_c, cache, hid_c = model.hidden(toks, cache.with_lengths(jnp.full((b,), lo, jnp.int32)), collect)
+            j = jnp.clip(last - lo, 0, c - 1)  # [B, 1, 1]
+            here = (last[:, 0] >= lo) & (last[:, 0] < lo + c)  # [B, 1]
+            last_h = jnp.where(here, jnp.take_along_axis(h_c, j, axis=1)[:, 0], last_h)
+            if h is not None:
+                h = jax.lax.dynamic_update_slice_in_dim(h, h_c.astype(dtype), lo, axis=1)
+            if hidden is not None:
+                hidden = jax.lax.dynamic_update_slice_in_dim(hidden, hid_c.astype(dtype), lo, axis=2)
+            return cache, last_h, h, hidden
+
+        cache, last_h, h, hidden = jax.lax.fori_loop(0, t // c, chunk,
+                                                     (cache, jnp.zeros((b, d), dtype), h, hidden))
     return cache.with_lengths(prompt_len), model.logits(last_h), hidden, (h if want_final else None)
 
 
@@ -261,7 +311,7 @@ class Engine:
 
     def shapes(self, prompt_lens: list[int], max_new: int, k: int) -> tuple[int, int]:
         """(prompt bucket T, cache size S) for a batch."""
-        t = bucket_pow2(max(prompt_lens))
+        t = bucket_prompt(max(prompt_lens))
         s = bucket_multiple(max(max(prompt_lens) + max_new + k + 2, t), 128)
         return t, s
 

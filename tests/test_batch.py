@@ -364,3 +364,20 @@ def test_suite_input_rows(tmp_path):
     rows = read_rows(path)
     assert [r["id"] for r in rows] == ["mtbench-0", "mtbench-1", "mtbench-2"]
     assert all(r["messages"][0]["role"] == "user" for r in rows)
+
+
+def test_batches_are_padded_to_their_own_power_of_two():
+    """A group's last, short batch (its longest prompts) pads to a power of two of its own rows,
+    not to --batch-size; long prompts pad to a multiple of 1024, not the next power of two."""
+    from specjax.engine import bucket_prompt
+    from specjax.sampling import SamplingParams
+    from specjax.serving.batch import JobRow, plan_batches
+
+    rows = [JobRow(line=i + 1, id=i, prompt="", sampling=SamplingParams(), token_ids=[1] * (100 - i))
+            for i in range(75)]
+    plan = plan_batches(rows, batch_size=32)
+    assert [(len(b), size) for b, size in plan] == [(32, 32), (32, 32), (11, 16)]
+    assert [r.line for r in plan[-1][0]] == list(range(11, 0, -1))  # sorted by length: longest last
+    assert [(len(b), size) for b, size in plan_batches(rows, batch_size=32, data=4)][-1] == (11, 16)
+    assert [(len(b), size) for b, size in plan_batches(rows[:3], batch_size=32, data=4)] == [(3, 4)]
+    assert [bucket_prompt(n) for n in (1, 17, 1000, 1024, 1025, 5073)] == [16, 32, 1024, 1024, 2048, 5120]

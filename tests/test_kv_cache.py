@@ -220,3 +220,25 @@ def test_first_call_decode_seconds_excludes_compile(model):
     first = specjax.generate(prompts, model=model, sampling=sp)[0].stats
     again = specjax.generate(prompts, model=model, sampling=sp)[0].stats
     assert first.decode_seconds < 10 * again.decode_seconds + 0.5, (first.decode_seconds, again.decode_seconds)
+
+
+def test_engine_prefill_in_chunks_equals_one_pass(model, monkeypatch):
+    """A batch of long prompts is prefilled in chunks when one pass's scores would pass the
+    budget: same cache, last logits, collected and final hidden states as one pass."""
+    from functools import partial
+
+    from specjax import engine
+
+    lens = np.array([64, 5, 40, 47])  # rows ending in the last, first and middle chunks
+    prompt = jnp.asarray(_tokens(4, B, 64))
+    static = dict(cache_size=S, collect=(0, 1), want_final=True)
+    one = jax.jit(partial(engine._prefill, model.graphdef, **static))(model.params, prompt, jnp.asarray(lens))
+    assert engine.prefill_chunk(B, 64, S, model.config.num_heads) == 64
+    monkeypatch.setattr(engine, "PREFILL_SCORE_BYTES", B * model.config.num_heads * S * 16 * 4)
+    assert engine.prefill_chunk(B, 64, S, model.config.num_heads) == 16
+    chunked = jax.jit(partial(engine._prefill, model.graphdef, **static))(model.params, prompt, jnp.asarray(lens))
+    (c1, l1, h1, f1), (c2, l2, h2, f2) = one, chunked
+    np.testing.assert_array_equal(np.asarray(c2.lengths), lens)
+    assert rel_err(l2, l1) <= TOL and rel_err(h2, h1) <= TOL and rel_err(f2, f1) <= TOL
+    for a, b in zip(c1.k + c1.v, c2.k + c2.v):  # [B*KV, S, H]; both wrote all 64 positions
+        assert rel_err(b, a) <= TOL

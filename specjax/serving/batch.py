@@ -22,8 +22,8 @@ on. Validation is a pure function of the input, so the errors file is rewritten 
 
 Batching: rows are grouped by what one compiled batch must share (greedy rows; sampled rows per
 seed, since the engine draws one key per batch), sorted by prompt length within a group (fewer
-prompt buckets, rows that finish together) and cut into batches of `--batch-size`. All batches of
-a group are padded to one row count (a multiple of the mesh's `data` size) so few shapes compile.
+prompt buckets, rows that finish together) and cut into batches of `--batch-size`. Each batch is
+padded to a power of two rows (and a multiple of the mesh's `data` size) so few shapes compile.
 Sampled batches draw from a key derived from the rows' seed and the batch's first input line,
 so batches do not share random streams and reruns reproduce them.
 
@@ -251,9 +251,9 @@ class ResultsFile:
 
 def plan_batches(rows: list[JobRow], batch_size: int, data: int = 1) -> list[tuple[list[JobRow], int]]:
     """Deterministic (batch, padded row count) pairs of the share's valid rows (see the module
-    docstring). Every batch of a group runs with the same row count, the smaller of batch_size
-    and the group's size rounded up to a power of two (then to a multiple of `data`): one
-    compiled shape per group and prompt bucket, and a job of a few rows does not run a large batch.
+    docstring). A batch runs with its row count rounded up to a power of two (at most batch_size,
+    then to a multiple of `data`): a job of a few rows does not run a large batch, and a group's
+    last, short batch (which holds its longest prompts) does not pay for a full batch of them.
     """
     groups: dict[tuple, list[JobRow]] = {}
     for r in rows:
@@ -262,9 +262,10 @@ def plan_batches(rows: list[JobRow], batch_size: int, data: int = 1) -> list[tup
     out = []
     for g in groups.values():
         g = sorted(g, key=lambda r: (len(r.token_ids), r.line))
-        size = min(batch_size, 1 << (len(g) - 1).bit_length())
-        size = -(-size // data) * data
-        out += [(g[i : i + batch_size], size) for i in range(0, len(g), batch_size)]
+        for i in range(0, len(g), batch_size):
+            batch = g[i : i + batch_size]
+            size = min(batch_size, 1 << (len(batch) - 1).bit_length())
+            out.append((batch, -(-size // data) * data))
     return out
 
 
