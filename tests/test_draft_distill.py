@@ -155,11 +155,11 @@ def test_hf_assistant_export_matches_the_drafter(sharp_target, exported):
     directory (the target's embedding and head merged in): transformers' logits equal ours."""
     import torch
 
-    from specjax.bench.peers import assistant_dir, load_hf_causal_lm
+    from specjax.bench.peers import load_assistant
     from specjax.drafters.draft_model import load_with_target_tables
 
     ours = load_with_target_tables(exported, sharp_target, "float32")
-    hf = load_hf_causal_lm(assistant_dir(exported, sharp_target))
+    hf = load_assistant(exported, sharp_target)
     ids = [[5, 17, 3, 99, 42, 7]]
     with torch.no_grad():
         theirs = hf(torch.tensor(ids)).logits.numpy()

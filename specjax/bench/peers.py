@@ -79,22 +79,22 @@ def load_hf_causal_lm(source: str):
     return m.eval()
 
 
-def assistant_dir(path: str, target) -> str:
-    """An HF directory transformers can load for the `draft[:PATH]` drafter: PATH itself, or for
-    a distilled draft model (the shipped one when PATH is empty) a temporary export with the
-    target's embedding and head merged in."""
+def load_assistant(path: str, target):
+    """The HF model transformers' assisted generation drafts with for the `draft[:PATH]` drafter:
+    PATH itself, or for a distilled draft model (the shipped one when PATH is empty) an export
+    with the target's embedding and head merged in, written to a temporary directory that is
+    removed once loaded."""
+    import tempfile
+
     from specjax.drafters import shipped_path
     from specjax.drafters.draft_model import borrows_target_tables, load_with_target_tables
+    from specjax.models.loading.export import save_hf
 
     path = path or shipped_path("draft")
     if not borrows_target_tables(path):
-        return path
-    import tempfile
-
-    from specjax.models.loading.export import save_hf
-
-    out = tempfile.mkdtemp(prefix="specjax-assistant-")
-    return save_hf(load_with_target_tables(path, target, "float32"), out)
+        return load_hf_causal_lm(path)
+    with tempfile.TemporaryDirectory(prefix="specjax-assistant-") as out:
+        return load_hf_causal_lm(save_hf(load_with_target_tables(path, target, "float32"), out))
 
 
 class HFPeer:
@@ -117,7 +117,7 @@ class HFPeer:
         for spec in drafter_specs:
             kind, _, path = spec.partition(":")
             if kind == "draft":
-                assistant = load_hf_causal_lm(assistant_dir(path, target))
+                assistant = load_assistant(path, target)
                 out += [PeerConfig("assisted", k, f"assisted:{path or 'draft'}", assistant) for k in num_drafts]
         return out
 
