@@ -100,6 +100,7 @@ def reference(model, job_input, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("batch_ref") / "ref.jsonl"
     summary = run_batch(config(model, job_input, out))
     assert summary["written"] == 16 and summary["errors"] == 0
+    assert 0 < summary["prefill_seconds"] + summary["decode_seconds"] <= summary["seconds"]
     rows = read_rows(out)
     return {r["id"]: r for r in rows}
 

@@ -291,6 +291,7 @@ class Meter:
     def __init__(self, total: int, already: int, enabled: bool, label: str):
         self.t0 = time.perf_counter()
         self.rows = self.tokens = self.steps = self.step_tokens = 0
+        self.prefill_seconds = self.decode_seconds = 0.0  # engine time of the batches run
         self.progress = None
         if enabled and total:
             from rich.console import Console
@@ -309,6 +310,17 @@ class Meter:
         self.tokens += len(result.token_ids)
         self.steps += result.stats.steps
         self.step_tokens += max(len(result.token_ids) - 1, 0)  # the prefill's token is no step
+
+    def add_batch(self, results) -> None:
+        """Engine time of one batch (its rows share it; rows run alone on a failed batch add theirs)."""
+        seen = set()
+        for res in results:
+            if not isinstance(res, SpecjaxError):
+                t = (res.stats.prefill_seconds, res.stats.decode_seconds)
+                if t not in seen:
+                    seen.add(t)
+                    self.prefill_seconds += t[0]
+                    self.decode_seconds += t[1]
 
     @property
     def seconds(self) -> float:
@@ -404,7 +416,9 @@ def run_batch(cfg: BatchConfig) -> dict:
                 continue
             # The whole batch runs even when some rows are done, so every row gets exactly the
             # result an uninterrupted run gives it; only the missing rows are written.
-            for r, res in generate_batch(batch, size, model, cfg, mesh):
+            ran = generate_batch(batch, size, model, cfg, mesh)
+            meter.add_batch([res for _, res in ran])
+            for r, res in ran:
                 if json.dumps(r.id) in results.done:
                     continue
                 if isinstance(res, SpecjaxError):
@@ -424,10 +438,12 @@ def run_batch(cfg: BatchConfig) -> dict:
         "output": out_path, "rows": len(results.done), "written": meter.rows, "already": already,
         "errors": len(bad), "errors_file": err_path, "tokens": meter.tokens, "seconds": secs,
         "rows_per_second": meter.rows / secs, "tokens_per_second": meter.tokens / secs,
-        "mean_accepted_length": meter.mal,
+        "mean_accepted_length": meter.mal, "prefill_seconds": meter.prefill_seconds,
+        "decode_seconds": meter.decode_seconds,
     }
     log(f"{meter.rows} rows written to {out_path} ({already} were already there), {len(bad)} bad rows "
-        f"in {err_path}; {meter.tokens} tokens in {secs:.1f} s: {meter.rates()}")
+        f"in {err_path}; {meter.tokens} tokens in {secs:.1f} s: {meter.rates()} (engine: prefill "
+        f"{meter.prefill_seconds:.1f} s, decode {meter.decode_seconds:.1f} s)")
     if n_proc > 1:
         finish_part(cfg, out_path, lines, summary)
     return summary
