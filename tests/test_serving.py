@@ -263,6 +263,9 @@ def test_load_sweep_point_and_summary(engine, target, prompts):
     for p in points:
         assert p["requests"] == 4 and p["tokens"] == 4 * 8 and p["tokens_per_second"] > 0
     assert set(points[0]["steps_by_k"]) == {"3"} and set(points[1]["steps_by_k"]) == {"0"}  # always / never
+    for p in points:  # the JSON carries each decision about speculation with its reason
+        assert all(d["kind"] in loadbench.SPEC_DECISIONS and d["reason"] for d in p["decisions"])
+        assert p["k_changes"] == sum(d["kind"] == "k" for d in p["decisions"])
     summary = loadbench.summarize(points)
     assert [s["clients"] for s in summary] == [1, 2] and all("rules_vs_best_fixed" in s for s in summary)
 

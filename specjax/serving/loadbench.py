@@ -10,7 +10,8 @@ the sweep):
 * `rules`: the serving rules (policy.py + monitor.py), as `specjax serve` runs them.
 
 Reported per point and mode: generated tokens per second, mean inter-token latency and time to
-first token per class, mean accepted length; per point: rules / max(always, never) and rules /
+first token per class, mean accepted length, and (JSON) every decision about speculation with
+its reason; per point: rules / max(always, never) and rules /
 never throughput. The claim under test: rules >= the better fixed mode within noise, and never
 below 0.97x plain. The scheduler is driven in-process (no HTTP), so the figures measure the
 scheduling rules, not the HTTP stack. Prompts: the batch class takes the first suite (code:
@@ -34,6 +35,8 @@ from specjax.serving.scheduler import Request, Scheduler
 from specjax.serving.slots import SlotEngine
 
 MODES = ("always", "never", "rules")
+# decisions about speculation kept in the JSON, with their reasons (K changes, probes, switches)
+SPEC_DECISIONS = ("k", "probe", "explored", "probe_failed", "spec_on", "spec_off")
 
 
 def _prompts(model, suites: str, max_prompt: int, n: int, seed: int) -> dict[str, list[list[int]]]:
@@ -88,11 +91,13 @@ def run_point(engine: SlotEngine, cfg: ServingConfig, eos_ids, mode: str, client
     for r in done:
         ks.update(r.k_steps)
     sched.stop()
+    decisions = [d for d in sched.log.recent() if d["kind"] in SPEC_DECISIONS]
     row = {"mode": mode, "clients": clients, "requests": len(done), "seconds": wall,
            "tokens": sum(len(r.token_ids) for r in done),
            "steps_by_k": {str(k): v for k, v in sorted(ks.items())},
-           "k_changes": sum(d["kind"] == "k" for d in sched.log.recent()),
-           "fallback_switches": sum(d["kind"] in ("spec_off", "spec_on") for d in sched.log.recent())}
+           "k_changes": sum(d["kind"] == "k" for d in decisions),
+           "fallback_switches": sum(d["kind"] in ("spec_off", "spec_on") for d in decisions),
+           "decisions": decisions}
     row["tokens_per_second"] = row["tokens"] / wall
     for cls in ("interactive", "batch"):
         rs = [r for r in done if r.latency_class == cls]
