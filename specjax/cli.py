@@ -239,15 +239,15 @@ def cmd_serve_bench(a) -> int:
     if bad or not modes:
         raise SpecjaxError(f"--modes takes a comma-separated subset of {', '.join(loadbench.MODES)}, got {a.modes!r}")
     loads = ints(a.loads, "--loads")
-    if min(loads) < 1 or a.requests < 1 or a.max_tokens < 1:
-        raise SpecjaxError("--loads, --requests and --max-tokens take integers >= 1")
+    if min(loads) < 1 or a.requests < 1 or a.max_tokens < 1 or a.repeats < 1:
+        raise SpecjaxError("--loads, --requests, --max-tokens and --repeats take integers >= 1")
     scheduler.enable_compile_cache(None if a.compile_cache == "none" else a.compile_cache or _default_xla_cache())
     import specjax
 
     model = specjax.load_model(a.model, dtype=a.dtype)
     loadbench.run_sweep(model, a.drafter, cfg, loads=loads, modes=modes, requests_per_load=a.requests,
                         max_tokens=a.max_tokens, suites=a.suites, interactive_share=a.interactive_share,
-                        json_out=a.json_out, seed=a.seed)
+                        json_out=a.json_out, seed=a.seed, repeats=a.repeats)
     return 0
 
 
@@ -371,6 +371,8 @@ def build_parser() -> ArgumentParser:
     sb.add_argument("--loads", default="1,2,4,8", help="concurrent clients per load point")
     sb.add_argument("--modes", default="always,never,rules", help="subset of always,never,rules")
     sb.add_argument("--requests", type=int, default=16, help="requests per load point and mode")
+    sb.add_argument("--repeats", type=int, default=1, help="runs of each mode per load point, interleaved "
+                    "(tok/s is their median; their spread is reported as the noise)")
     sb.add_argument("--max-tokens", type=int, default=64)
     sb.add_argument("--suites", default="humaneval,mtbench", help="prompt suites (batch class takes the first, "
                     "interactive the second)")

@@ -256,6 +256,38 @@ print(json.dumps(info))
 """
 
 
+def test_out_of_memory_batch_runs_as_halves(model, greedy_input, reference, tmp_path, monkeypatch):
+    """A batch that runs out of device memory is retried as two halves (recursively); a row that
+    does not fit even alone goes to the errors file; the job goes on and the greedy rows equal
+    the uninterrupted run. Memory "runs out" (XLA's own error text) for batches of more than 2
+    rows and for the longest prompt in any batch."""
+    import specjax
+    from specjax.generate import encode_prompt
+    from specjax.serving.batch import run_batch
+
+    with open(greedy_input) as fh:
+        job = [json.loads(line) for line in fh]
+    longest = max(len(encode_prompt(model, r.get("messages") or r["prompt"])) for r in job)
+    real, calls = specjax.generate, []
+
+    def tight_memory(prompts, **kw):
+        calls.append(len(prompts))
+        if len(prompts) > 2 or max(len(p) for p in prompts) >= longest:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 157514989568 bytes.")
+        return real(prompts, **kw)
+
+    monkeypatch.setattr(specjax, "generate", tight_memory)
+    out = tmp_path / "res.jsonl"
+    summary = run_batch(config(model, greedy_input, out))
+    assert {4, 2, 1} <= set(calls)  # 4 rows -> 2 + 2 -> the longest prompt alone
+    errors = read_rows(str(out) + ".errors.jsonl")
+    assert errors and all("out of device memory even alone" in e["reason"] for e in errors)
+    done = read_rows(out)
+    assert summary["written"] == len(done) == len(job) - len(errors) and summary["errors"] == len(errors)
+    assert {json.dumps(r["id"]) for r in done + errors} == {json.dumps(r["id"]) for r in job}
+    assert_same(done, reference, [r["id"] for r in done])
+
+
 def test_sharded_over_four_host_devices_matches_one_device(model_dir, greedy_input, reference, env, tmp_path):
     """`--mesh data=4` (rows split over devices) and `data=2,model=2` (plus weights split
     tensor-parallel) give the single-device run's greedy outputs."""

@@ -59,7 +59,7 @@ def start(model, sched: Scheduler, name: str):
 def server(chat_dir):
     model = specjax.load_model(chat_dir, dtype="float32")
     cfg = ServingConfig(buckets=(1, 2), ks=(0, 3), chunk_steps=4, max_seq_len=128, step_costs=COSTS,
-                        min_run_steps=2, api_keys={"sk-batch": "batch"}).validate()
+                        calibrate_costs=False, min_run_steps=2, api_keys={"sk-batch": "batch"}).validate()
     sched = build_scheduler(model, "ngram", cfg)
     srv = start(model, sched, NAME)
     yield types.SimpleNamespace(url=srv.url, sched=sched, model=model, dir=chat_dir)

@@ -73,7 +73,9 @@ def prompts():
 
 
 def config(**kw) -> ServingConfig:
-    base = dict(buckets=BUCKETS, ks=KS, chunk_steps=2, step_costs=COSTS, min_run_steps=2, max_seq_len=MAX_SEQ)
+    # The tests give synthetic step costs (the scenario under test): not calibrated to this machine.
+    base = dict(buckets=BUCKETS, ks=KS, chunk_steps=2, step_costs=COSTS, min_run_steps=2, max_seq_len=MAX_SEQ,
+                calibrate_costs=False)
     base.update(kw)
     return ServingConfig(**base).validate()
 
@@ -200,6 +202,24 @@ def test_k_falls_as_the_batch_grows_and_returns(engine, prompts):
     assert sched.monitor.spec_on("batch")  # throttling is not the fallback
 
 
+def test_step_costs_calibrate_to_the_chunks_run(engine, prompts):
+    """With the warm-up table, every chunk recalibrates the (bucket, K) it ran at; the policy's
+    costs and the /metrics gauge follow, the table itself is kept."""
+    sched = Scheduler(engine, config(step_costs=None, calibrate_costs=True))
+    assert sched.costs.source == "warm-up"
+    reqs = [sched.submit(Request(p, SamplingParams(max_new_tokens=24, ignore_eos=True), "batch")) for p in prompts[:2]]
+    drain(sched, reqs)
+    ran = {(b, k) for b in BUCKETS for k in KS if sched.costs._live.get((b, k))}
+    assert ran, "no chunk was observed"
+    for b, k in ran:
+        assert 0.05 < sched.costs.scale(b, k) < 20  # wall time of real chunks against warm-up's
+        assert sched.costs.cost(b, k) == pytest.approx(engine.step_costs[b][k] * sched.costs.scale(b, k))
+        line = next(x for x in sched.metrics.render().splitlines()
+                    if x.startswith(f'specjax_expected_step_seconds{{bucket="{b}",k="{k}"}}'))
+        assert float(line.split()[-1]) == pytest.approx(sched.costs.cost(b, k), rel=1e-3)
+    assert sched.costs.to_dict() == {str(b): {str(k): c for k, c in row.items()} for b, row in engine.step_costs.items()}
+
+
 def test_fallback_switches_off_and_back_on(engine, prompts):
     """Hot traffic (random drafts) switches speculation off for its class within a bounded
     number of steps; after the traffic cools, a probe switches it back on. /metrics shows both."""
@@ -280,6 +300,47 @@ def test_step_costs_interpolate():
     assert c.effective(1, 2, 0.5) == pytest.approx(1.5)
 
 
+def test_step_costs_live_calibration_changes_the_decision():
+    """Warm-up says K=3 costs 1.3 plain steps, so MAL 1.45 would pay; the chunks the scheduler
+    times say K=3 steps cost 1.6 (with half of them verifying): the calibrated gain is below 1
+    and the policy picks plain decoding. Buckets never run at a K borrow the nearest one's."""
+    costs = StepCosts({1: {0: 1.0, 3: 1.3}, 2: {0: 1.2, 3: 1.8}}, "warm-up")
+    pol = Policy(ServingConfig(ks=(0, 3), buckets=(1, 2), margin=0.0).validate(), costs, (0, 3))
+    est = {"batch": Estimate(1.0, [0.45, 0.0, 0.0], 100)}
+    on = {"batch": True}
+    assert pol.gain(est["batch"], 1, 3) == pytest.approx(1.45 / 1.3)
+    assert pol.choose(1, {"batch": 1}, 0, est, on, (), 3).k == 3
+    for _ in range(40):  # half the steps verify; the chunk costs 8 * 1.6 + 0 instead of 4 * 1.3 + 4 * 1.0
+        costs.observe(1, 3, seconds=8 * 1.6, steps=8, verify_steps=4)
+        costs.observe(1, 0, seconds=8 * 1.0, steps=8, verify_steps=0)
+    assert costs.scale(1, 3) == pytest.approx(12.8 / 9.2, rel=0.02) and costs.scale(1, 0) == pytest.approx(1.0)
+    assert costs.cost(1, 3) == pytest.approx(1.3 * 12.8 / 9.2, rel=0.02)
+    assert pol.gain(est["batch"], 1, 3) < 1.0 and pol.choose(1, {"batch": 1}, 0, est, on, (), 3).k == 0
+    assert costs.scale(2, 3) == costs.scale(1, 3)  # borrowed from bucket 1
+    assert costs.to_dict() == {"1": {"0": 1.0, "3": 1.3}, "2": {"0": 1.2, "3": 1.8}}  # the table is kept
+    assert costs.to_dict(live=True)["1"]["3"] == pytest.approx(costs.cost(1, 3))
+    fresh = StepCosts({1: {0: 1.0, 3: 1.3}}, "warm-up")
+    fresh.observe(1, 3, seconds=16.0, steps=8, verify_steps=8)  # one chunk: shrunk towards the table
+    assert 1.0 < fresh.scale(1, 3) < 16.0 / (8 * 1.3)
+
+
+def test_load_bench_clients_run_fixed_work_and_summary_takes_medians():
+    from specjax.serving import loadbench
+
+    work = loadbench.client_requests(4, 10, 0.5)
+    assert [c for c, _ in work] == ["interactive", "interactive", "batch", "batch"]
+    assert [len(ix) for _, ix in work] == [3, 3, 2, 2]  # 10 dealt round-robin
+    assert sorted(sum((ix for c, ix in work if c == "batch"), [])) == [0, 1, 2, 3]  # each prompt once per class
+    assert work == loadbench.client_requests(4, 10, 0.5)
+    assert loadbench.client_requests(1, 3, 0.5) == [("batch", [0, 1, 2])]
+    pts = [{"clients": 2, "mode": m, "tokens_per_second": v}
+           for m, v in [("never", 10.0), ("never", 12.0), ("never", 11.0), ("rules", 11.5), ("rules", 10.5),
+                        ("rules", 11.0), ("always", 8.0), ("always", 8.2), ("always", 8.1)]]
+    (s,) = loadbench.summarize(pts)
+    assert s["never_tok_s"] == 11.0 and s["rules_tok_s"] == 11.0 and s["repeats"] == 3
+    assert s["noise"] == pytest.approx(2.0 / 11.0) and s["rules_vs_best_fixed"] == 1.0 and s["rules_vs_plain"] == 1.0
+
+
 def _policy(costs, **kw):
     cfg = ServingConfig(ks=(0, 1, 2, 3, 4), buckets=tuple(costs), step_costs=costs, **kw).validate()
     return Policy(cfg, StepCosts(costs, "test"), cfg.ks)
@@ -339,13 +400,30 @@ def test_monitor_bounded_switch_off_probe_and_on():
     mon.evaluate("batch", 0.8, "d", 8)
     assert not mon.spec_on("batch") and mon.spec_on("interactive")
     assert not mon.probe_due("batch", 12) and mon.probe_due("batch", 18)
-    mon.start_probe("batch", 18, 2, 4)
-    mon.record("batch", 2, Sample(4, 12, 4, np.array([4, 4]), np.array([4, 4])))
-    mon.evaluate("batch", 2.9, "d", 22)
+    # A failed probe: it runs until it holds min_steps row-steps, then the interval doubles.
+    assert mon.probe_steps("batch", rows=1) == 8  # enough steps for min_steps row-steps
+    mon.start_probe("batch", 18, 2, 8)
+    mon.record("batch", 2, bad)
+    mon.evaluate("batch", 1.5, "d", 22)  # 4 row-steps: not judged on so little
+    assert mon.probing("batch") and not mon.spec_on("batch") and not mon.probe_due("batch", 100)
+    mon.record("batch", 2, bad)
+    mon.evaluate("batch", 0.9, "d", 26)
+    assert not mon.probing("batch") and not mon.spec_on("batch")
+    assert not mon.probe_due("batch", 26 + 19) and mon.probe_due("batch", 26 + 20)  # backoff: 10 -> 20
+    mon.start_probe("batch", 46, 2, 4)
+    mon.record("batch", 2, Sample(8, 24, 8, np.array([8, 8]), np.array([8, 8])))
+    mon.evaluate("batch", 2.9, "d", 54)
     assert mon.spec_on("batch")
-    assert [d["kind"] for d in log.recent()] == ["spec_off", "probe", "spec_on"]
-    assert mon.estimate("batch", 2).acceptance == [0.6, 0.6]  # 4 row-steps < min_steps: the prior
-    est = mon.estimate("batch", 2, measured=True)
+    assert [d["kind"] for d in log.recent()] == ["spec_off", "probe", "probe_failed", "probe", "spec_on"]
+    assert mon.estimate("batch", 2, measured=True).acceptance == [1.0, 1.0]
+    mon.record("batch", 2, bad)
+    mon.record("batch", 2, bad)
+    mon.evaluate("batch", 0.8, "d", 70)  # off again: the probe interval starts from probe_every
+    assert not mon.spec_on("batch") and mon.probe_due("batch", 80)
+    mon2 = AcceptanceMonitor(cfg, ("batch",), "ngram", DecisionLog())
+    mon2.record("batch", 2, Sample(4, 12, 4, np.array([4, 4]), np.array([4, 4])))
+    assert mon2.estimate("batch", 2).acceptance == [0.6, 0.6]  # 4 row-steps < min_steps: the prior
+    est = mon2.estimate("batch", 2, measured=True)
     assert est.acceptance == [1.0, 1.0] and est.mal(2) == 3.0
 
 

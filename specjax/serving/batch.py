@@ -454,28 +454,56 @@ def _line(obj: dict) -> bytes:
 
 
 def generate_batch(batch, size, model, cfg, mesh) -> list[tuple[JobRow, Any]]:
-    """(row, GenerationResult) for each row; when the batch fails on bad input, its rows run
-    one by one and those that fail alone get their SpecjaxError instead of a result."""
+    """(row, GenerationResult) for each row. When the batch fails on bad input, its rows run one
+    by one and those that fail alone get their SpecjaxError instead of a result. When it runs out
+    of device memory, it runs as two halves (recursively, each padded to its own power of two), so
+    one oversized batch does not end the job; a row that does not fit alone is a bad row."""
     import specjax
 
-    def gen(rows):
-        ids, params = batch_inputs(rows, max(size, len(rows)))
+    data = mesh.shape["data"] if mesh is not None else 1
+
+    def gen(rows, n):
+        ids, params = batch_inputs(rows, max(n, len(rows)))
         out = specjax.generate(ids, model=model, sampling=params, drafter=cfg.drafter, num_draft=cfg.num_draft,
                                mesh=mesh)
         return out[: len(rows)]
 
-    try:
-        return list(zip(batch, gen(batch)))
-    except SpecjaxError as e:
-        if len(batch) == 1:
-            return [(batch[0], e)]
-    out = []
-    for r in batch:
+    def run(rows, n):
         try:
-            out.append((r, gen([r])[0]))
+            return list(zip(rows, gen(rows, n)))
         except SpecjaxError as e:
-            out.append((r, e))
-    return out
+            if len(rows) == 1:
+                return [(rows[0], e)]
+        except Exception as e:  # noqa: BLE001 - only device out-of-memory is handled here
+            if not out_of_memory(e):
+                raise
+            if len(rows) == 1:
+                return [(rows[0], SpecjaxError(f"out of device memory even alone ({len(rows[0].token_ids)} "
+                                               f"prompt tokens in a batch of {n}): {first_line(e)}"))]
+            half = (len(rows) + 1) // 2
+            log(f"a batch of {len(rows)} rows (padded to {n}, prompts up to {len(rows[-1].token_ids)} tokens) ran "
+                f"out of device memory; running it as two batches")
+            return [x for part in (rows[:half], rows[half:])
+                    for x in run(part, -(-(1 << (len(part) - 1).bit_length()) // data) * data)]
+        out = []
+        for r in rows:
+            try:
+                out.append((r, gen([r], data)[0]))
+            except SpecjaxError as e:
+                out.append((r, e))
+        return out
+
+    return run(batch, size)
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """XLA's out-of-memory error (XlaRuntimeError / JaxRuntimeError: RESOURCE_EXHAUSTED)."""
+    msg = str(e)
+    return "RESOURCE_EXHAUSTED" in msg or "Out of memory" in msg or "out of memory" in msg
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 def finish_part(cfg: BatchConfig, part: str, lines, summary: dict) -> None:

@@ -25,7 +25,9 @@ class MonitorConfig:
     off_below: float = 1.0  # switch speculation off when the expected gain falls below this
     on_above: float = 1.05  # ... and back on when a probe measures at least this (hysteresis)
     probe_every: int = 96  # steps (of the scheduler) between probes while a class is off
-    probe_steps: int = 8  # length of a probe chunk
+    probe_steps: int = 8  # least steps per probe chunk (a probe runs until it holds min_steps row-steps)
+    probe_backoff: float = 2.0  # each failed probe multiplies the interval between probes by this
+    probe_every_max: int = 768  # ... up to this many steps
     prior_acceptance: float = 0.6  # per-position acceptance assumed before any measurement
 
 
@@ -47,6 +49,7 @@ class ServingConfig:
     api_keys: dict[str, str] = dataclasses.field(default_factory=dict)  # API key -> latency class
     default_max_tokens: int = 256  # chat completions without max_tokens (capped by the context)
     step_costs: Any = None  # {bucket: {K: seconds}} or a JSON path; None = measure at warm-up
+    calibrate_costs: bool = True  # scale the step costs by what the chunks actually take (policy.py)
     monitor: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
 
     def validate(self) -> "ServingConfig":
@@ -78,6 +81,8 @@ class ServingConfig:
             bad("monitor: need 0 < off_below <= on_above")
         if m.window_steps < 1 or m.min_steps < 1 or m.probe_every < 1 or m.probe_steps < 1:
             bad("monitor: window_steps, min_steps, probe_every, probe_steps must be >= 1")
+        if m.probe_backoff < 1 or m.probe_every_max < m.probe_every:
+            bad("monitor: need probe_backoff >= 1 and probe_every_max >= probe_every")
         return self
 
     def costs_table(self) -> dict[int, dict[int, float]] | None:

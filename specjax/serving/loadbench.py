@@ -1,18 +1,19 @@
 """`specjax serve-bench`: an offered-load sweep of the serving rules against fixed policies.
 
 Offered load = C concurrent closed-loop clients (each sends its next request when the previous one
-finished), a share of them interactive, the rest batch. At every load point the same request
-sequence runs under each mode, interleaved, on one warmed-up slot engine (nothing compiles during
-the sweep):
+finished), a share of them interactive, the rest batch. Each client has its own fixed list of
+requests, so every mode runs exactly the same work. At every load point the modes run in turn,
+`repeats` times in rotated order (drift on a shared machine hits every mode alike), on one
+warmed-up slot engine (nothing compiles during the sweep):
 
 * `always`: speculation always on at K_max (no fallback);
 * `never`: plain decoding (K = 0);
 * `rules`: the serving rules (policy.py + monitor.py), as `specjax serve` runs them.
 
-Reported per point and mode: generated tokens per second, mean inter-token latency and time to
-first token per class, mean accepted length, and (JSON) every decision about speculation with
-its reason; per point: rules / max(always, never) and rules /
-never throughput. The claim under test: rules >= the better fixed mode within noise, and never
+Reported per point and mode: generated tokens per second (median over repeats, and the spread
+of the repeats, which is the noise the claim is judged against), mean inter-token latency and
+time to first token per class, mean accepted length, and (JSON) every decision about
+speculation with its reason; per point: rules / max(always, never) and rules / never throughput. The claim under test: rules >= the better fixed mode within noise, and never
 below 0.97x plain. The scheduler is driven in-process (no HTTP), so the figures measure the
 scheduling rules, not the HTTP stack. Prompts: the batch class takes the first suite (code:
 HumanEval), the interactive class the second (chat: MT-Bench), greedy.
@@ -54,34 +55,40 @@ def _prompts(model, suites: str, max_prompt: int, n: int, seed: int) -> dict[str
     return out
 
 
-def run_point(engine: SlotEngine, cfg: ServingConfig, eos_ids, mode: str, clients: int, n_requests: int,
-              prompts: dict[str, list[list[int]]], max_tokens: int, interactive_share: float) -> dict:
-    """One load point under one mode: C closed-loop clients until `n_requests` are done."""
-    sched = Scheduler(engine, dataclasses.replace(cfg, policy=mode), eos_ids=eos_ids).start()
+def client_requests(clients: int, n_requests: int, interactive_share: float) -> list[tuple[str, list[int]]]:
+    """(latency class, indices into that class's prompt pool) per client: `n_requests` in all,
+    dealt round-robin, so the work does not depend on which client finishes first."""
     n_inter = min(clients, round(clients * interactive_share))
     if clients > 1 and interactive_share > 0:
         n_inter = max(n_inter, 1)
     classes = ["interactive"] * n_inter + ["batch"] * (clients - n_inter)
+    out, seen = [], collections.Counter()
+    for j, cls in enumerate(classes):
+        mine = range(j, n_requests, clients)
+        out.append((cls, [seen[cls] + i for i in range(len(mine))]))
+        seen[cls] += len(mine)
+    return out
+
+
+def run_point(engine: SlotEngine, cfg: ServingConfig, eos_ids, mode: str, clients: int, n_requests: int,
+              prompts: dict[str, list[list[int]]], max_tokens: int, interactive_share: float) -> dict:
+    """One load point under one mode: C closed-loop clients, each through its own request list."""
+    sched = Scheduler(engine, dataclasses.replace(cfg, policy=mode), eos_ids=eos_ids).start()
     lock = threading.Lock()
-    next_idx = {"i": 0}
     done: list[Request] = []
     sp = SamplingParams(max_new_tokens=max_tokens)
 
-    def client(cls: str):
-        while True:
-            with lock:
-                i = next_idx["i"]
-                if i >= n_requests:
-                    return
-                next_idx["i"] += 1
-            pool = prompts[cls]
+    def client(cls: str, indices: list[int]):
+        pool = prompts[cls]
+        for i in indices:
             req = sched.submit(Request(pool[i % len(pool)], sp, cls))
             req.done.wait()
             with lock:
                 done.append(req)
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in classes]
+    threads = [threading.Thread(target=client, args=work, daemon=True)
+               for work in client_requests(clients, n_requests, interactive_share)]
     for t in threads:
         t.start()
     for t in threads:
@@ -97,6 +104,7 @@ def run_point(engine: SlotEngine, cfg: ServingConfig, eos_ids, mode: str, client
            "steps_by_k": {str(k): v for k, v in sorted(ks.items())},
            "k_changes": sum(d["kind"] == "k" for d in decisions),
            "fallback_switches": sum(d["kind"] in ("spec_off", "spec_on") for d in decisions),
+           "live_step_costs": sched.costs.to_dict(live=True),
            "decisions": decisions}
     row["tokens_per_second"] = row["tokens"] / wall
     for cls in ("interactive", "batch"):
@@ -110,10 +118,18 @@ def run_point(engine: SlotEngine, cfg: ServingConfig, eos_ids, mode: str, client
 
 
 def summarize(points: list[dict]) -> list[dict]:
+    """Per load: median tokens/s per mode over its repeats, the repeats' relative spread
+    ((max - min) / median, the largest over modes: the noise), and the rules' ratios."""
     out = []
     for c in sorted({p["clients"] for p in points}):
-        by = {p["mode"]: p["tokens_per_second"] for p in points if p["clients"] == c}
-        s = {"clients": c, **{f"{m}_tok_s": v for m, v in by.items()}}
+        runs = collections.defaultdict(list)
+        for p in points:
+            if p["clients"] == c:
+                runs[p["mode"]].append(p["tokens_per_second"])
+        by = {m: statistics.median(v) for m, v in runs.items()}
+        s = {"clients": c, **{f"{m}_tok_s": v for m, v in by.items()}, "repeats": max(len(v) for v in runs.values())}
+        spreads = [(max(v) - min(v)) / statistics.median(v) for v in runs.values() if len(v) > 1]
+        s["noise"] = max(spreads) if spreads else None
         if "rules" in by:
             fixed = [by[m] for m in ("always", "never") if m in by]
             if fixed:
@@ -126,7 +142,7 @@ def summarize(points: list[dict]) -> list[dict]:
 
 def run_sweep(model, drafter: str, cfg: ServingConfig, loads: list[int], modes: list[str], requests_per_load: int,
               max_tokens: int, suites: str, interactive_share: float, json_out: str | None, seed: int = 0,
-              log=None) -> dict:
+              repeats: int = 1, log=None) -> dict:
     from rich.console import Console
     from rich.table import Table
 
@@ -139,12 +155,13 @@ def run_sweep(model, drafter: str, cfg: ServingConfig, loads: list[int], modes: 
     prompts = _prompts(model, suites, engine.max_seq_len - max_tokens, max(requests_per_load, 8), seed)
     points = []
     for c in loads:
-        for mode in modes:
-            say(f"load {c} clients, mode {mode} ...")
-            points.append(run_point(engine, cfg, model.config.eos_token_ids, mode, c, requests_per_load, prompts,
-                                    max_tokens, interactive_share))
+        for rep in range(repeats):
+            for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:  # rotated each repeat
+                say(f"load {c} clients, mode {mode}, run {rep + 1}/{repeats} ...")
+                points.append(run_point(engine, cfg, model.config.eos_token_ids, mode, c, requests_per_load,
+                                        prompts, max_tokens, interactive_share) | {"repeat": rep})
     result = {"model": model.name, "drafter": drafter, "ks": list(engine.ks), "buckets": list(engine.buckets),
-              "max_tokens": max_tokens, "requests_per_load": requests_per_load, "suites": suites,
+              "max_tokens": max_tokens, "requests_per_load": requests_per_load, "repeats": repeats, "suites": suites,
               "step_costs": base.costs.to_dict(), "points": points, "summary": summarize(points)}
     table = Table(title=f"serve-bench: {model.name}, drafter {drafter}, K in {list(engine.ks)}, "
                         f"buckets {list(engine.buckets)}")
@@ -158,7 +175,7 @@ def run_sweep(model, drafter: str, cfg: ServingConfig, loads: list[int], modes: 
                       f"{p['mal']:.2f}", " ".join(f"{k}:{v}" for k, v in p["steps_by_k"].items()))
     Console(file=sys.stderr, width=150).print(table)
     for s in result["summary"]:
-        parts = [f"{k} {v:.3f}" for k, v in s.items() if k.startswith("rules_vs")]
+        parts = [f"{k} {v:.3f}" for k, v in s.items() if k.startswith("rules_vs") or (k == "noise" and v)]
         say(f"{s['clients']} clients: " + (", ".join(parts) or "(rules not run)"))
     if json_out:
         with open(json_out, "w") as fh:

@@ -16,7 +16,7 @@ gauges     specjax_mean_accepted_length{class, drafter}     rolling MAL (specula
            specjax_queue_depth{class}, specjax_running_batch{class}, specjax_batch_bucket
            specjax_num_draft                                K of the last chunk
            specjax_step_seconds{bucket, k}                  measured, last chunk at that bucket and K
-           specjax_expected_step_seconds{bucket, k}         the policy's step-cost table
+           specjax_expected_step_seconds{bucket, k}         the policy's step cost (table x live calibration)
 histograms specjax_time_to_first_token_seconds{class}
            specjax_inter_token_latency_seconds{class}       per token (a chunk's tokens share its gap)
 """
@@ -184,7 +184,7 @@ class ServingMetrics:
         self.step_seconds = Gauge(r, "specjax_step_seconds", "Seconds per step of the last chunk run at this "
                                   "bucket and K (the policy's table: specjax_expected_step_seconds)", ("bucket", "k"))
         self.expected_step = Gauge(r, "specjax_expected_step_seconds", "Step cost the policy uses (warm-up or "
-                                   "config)", ("bucket", "k"))
+                                   "config table, calibrated live)", ("bucket", "k"))
         self.ttft = Histogram(r, "specjax_time_to_first_token_seconds", "Time to first token", ("class",))
         self.itl = Histogram(r, "specjax_inter_token_latency_seconds", "Inter-token latency", ("class",))
 

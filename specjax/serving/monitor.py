@@ -14,9 +14,12 @@ the expected gain of K over plain decoding (policy.py). Fallback rules, per clas
   every K > 0 is below `off_below` (1.0: speculation would be slower than plain decoding). The
   window is bounded (`window_steps`), so a drafter that turns bad is switched off within about
   `window_steps` row-steps, and a class that starts bad within `min_steps`;
-* while off, every `probe_every` scheduler steps the class gets a probe: one chunk at the K the
-  policy picks for the current batch. The window is cleared when the probe starts, so it measures
-  the present, not the past;
+* while off, the class gets a probe every `probe_every` scheduler steps: chunks at the K the
+  policy picks for the current batch, until the probe holds `min_steps` row-steps (a probe of a
+  few steps is judged on noise: one repetitive stretch of code looks like a great drafter). The
+  window is cleared when the probe starts, so it measures the present, not the past. Each failed
+  probe multiplies the interval by `probe_backoff` (up to `probe_every_max`), so a drafter that
+  does not pay costs ever less; switching back on resets it;
 * a class that is on but has no evidence (the policy priced the prior and chose plain decoding,
   so no speculative step ever measured the drafter) gets an exploration probe every
   `probe_every` steps, as long as a near-perfect drafter could pay at the current batch size;
@@ -127,6 +130,7 @@ class _ClassState:
         self.last_probe_step = -(10**9)  # scheduler step when the class went off or last probed
         self.off_since = 0
         self.switches = 0
+        self.probe_interval = 0  # steps between probes while off (set when switched off)
 
 
 class AcceptanceMonitor:
@@ -180,14 +184,21 @@ class AcceptanceMonitor:
         for a class that is on but has no evidence yet (the policy, pricing the prior, chose plain
         decoding), when `worth_exploring` (a good drafter could pay at this batch size)."""
         st = self.classes[cls]
-        if not self.enabled or step - st.last_probe_step < self.cfg.probe_every:
+        if not self.enabled or st.probing:
+            return False
+        interval = self.cfg.probe_every if st.on else st.probe_interval
+        if step - st.last_probe_step < interval:
             return False
         return not st.on or (worth_exploring and st.window_steps < self.cfg.min_steps)
 
+    def probing(self, cls: str) -> bool:
+        """A probe started and not yet judged (it runs until it holds `min_steps` row-steps)."""
+        return self.enabled and self.classes[cls].probing
+
     def probe_steps(self, cls: str, rows: int) -> int:
-        """Steps for a probe: `probe_steps`, or enough for `min_steps` row-steps when exploring."""
-        st = self.classes[cls]
-        need = -(-(self.cfg.min_steps - st.window_steps) // max(rows, 1)) if st.on else 0
+        """Steps for the next probe chunk: `probe_steps`, or enough for the window to hold
+        `min_steps` row-steps of the class with `rows` rows running."""
+        need = -(-(self.cfg.min_steps - self.classes[cls].window_steps) // max(rows, 1))
         return max(self.cfg.probe_steps, need)
 
     def start_probe(self, cls: str, step: int, k: int, steps: int) -> None:
@@ -207,8 +218,8 @@ class AcceptanceMonitor:
         st = self.classes[cls]
         cfg = self.cfg
         if st.probing:
-            if st.window_steps == 0:
-                return  # the probe chunk had no rows of this class (they finished first)
+            if st.window_steps < cfg.min_steps:
+                return  # not enough evidence yet (or the chunk ended early): the probe goes on
             st.probing = False
             st.last_probe_step = step
             if st.on:  # exploration: from now on the policy prices K from this evidence
@@ -217,12 +228,15 @@ class AcceptanceMonitor:
             elif gain >= cfg.on_above:
                 st.on = True
                 st.switches += 1
+                st.probe_interval = cfg.probe_every
                 self.log.add("spec_on", f"class {cls}: probe measured expected gain {gain:.2f} >= "
                              f"{cfg.on_above:.2f}; speculation back on ({detail})", cls=cls, gain=gain, step=step)
                 return
             else:
+                st.probe_interval = min(int(st.probe_interval * cfg.probe_backoff), cfg.probe_every_max)
                 self.log.add("probe_failed", f"class {cls}: probe measured expected gain {gain:.2f} < "
-                             f"{cfg.on_above:.2f}; speculation stays off ({detail})", cls=cls, gain=gain, step=step)
+                             f"{cfg.on_above:.2f} over {st.window_steps} row-steps; speculation stays off, next "
+                             f"probe in {st.probe_interval} steps ({detail})", cls=cls, gain=gain, step=step)
                 return
         if st.window_steps < cfg.min_steps:
             return
@@ -233,10 +247,12 @@ class AcceptanceMonitor:
             st.on = False
             st.switches += 1
             st.last_probe_step = st.off_since = step
+            st.probe_interval = cfg.probe_every
             self._clear(st)  # what comes next (probes, other classes' K > 0 chunks) is fresh evidence
         elif not st.on and gain >= cfg.on_above:  # measured in other classes' speculative chunks
             st.on = True
             st.switches += 1
+            st.probe_interval = cfg.probe_every
             self.log.add("spec_on", f"class {cls}: expected gain {gain:.2f} >= {cfg.on_above:.2f} over "
                          f"{st.window_steps} row-steps since it was switched off; speculation back on ({detail})",
                          cls=cls, gain=gain, step=step)

@@ -11,8 +11,13 @@ no match). When the accelerator is memory-bound (small B) c(B, K) is close to c(
 MAL > 1 pays; as B grows the verify pass becomes compute-bound, c(B, K) / c(B, 0) grows towards
 K + 1 and the gain falls below 1. Low acceptance (high-entropy text, high temperature) shrinks
 MAL(K) towards 1 with the same effect. The step costs come from the slot engine's warm-up (one
-timed chunk per (bucket, K)) or from a JSON file (`step_costs` in the serving config); MAL(K)
-and f come from the acceptance monitor's rolling window, per latency class.
+timed chunk per (bucket, K)) or from a JSON file (`step_costs` in the serving config), and are
+recalibrated live: every chunk's wall time is compared with what the table predicts for its
+verify and plain steps, and a decayed ratio per (bucket, K) scales the table. Warm-up times a
+few steps of a synthetic row; in service the steps run on real contexts, pay the drafter's
+proposal on every step and the host's loop overhead, and on this CPU that moved the K = 3 :
+K = 0 cost ratio from 1.3 to 1.55, enough to turn an expected gain of 1.08 into a real 0.92.
+MAL(K) and f come from the acceptance monitor's rolling window, per latency class.
 
 The rules policy picks, for the running batch, the K that maximises expected weighted
 throughput
@@ -50,20 +55,31 @@ class Decision:
 
 
 class StepCosts:
-    """Seconds per step by batch bucket and K (verify steps for K > 0, plain steps for K = 0)."""
+    """Seconds per step by batch bucket and K (verify steps for K > 0, plain steps for K = 0),
+    from a table (warm-up or config), scaled by live calibration (`observe`)."""
+
+    # Decay per observed chunk of the calibration sums (half-life ~ 23 chunks), and the prior's
+    # weight in predicted steps: a (bucket, K) is trusted after a few chunks, and recent chunks
+    # count most (the machine's load changes).
+    DECAY = 0.97
+    PRIOR_STEPS = 8.0
 
     def __init__(self, table: dict[int, dict[int, float]], source: str):
         if not table:
             raise ValueError("empty step-cost table")
         self.table = {int(b): {int(k): float(c) for k, c in row.items()} for b, row in table.items()}
         self.source = source
+        # (bucket, K) -> [decayed observed seconds, decayed predicted seconds, decayed steps]
+        self._live: dict[tuple[int, int], list[float]] = {}
 
-    def cost(self, b: int, k: int) -> float:
-        """The bucket that holds b rows (the largest one if none does); K between measured values
-        is interpolated linearly, beyond them extrapolated from the last two."""
+    def _bucket(self, b: int) -> int:
         buckets = sorted(self.table)
-        bucket = next((x for x in buckets if x >= b), buckets[-1])
-        row = self.table[bucket]
+        return next((x for x in buckets if x >= b), buckets[-1])
+
+    def base(self, b: int, k: int) -> float:
+        """The table's cost: the bucket that holds b rows (the largest one if none does); K
+        between measured values is interpolated linearly, beyond them extrapolated."""
+        row = self.table[self._bucket(b)]
         if k in row:
             return row[k]
         ks = sorted(row)
@@ -77,13 +93,42 @@ class StepCosts:
         slope = (row[hi] - row[lo]) / (hi - lo)
         return max(row[lo] + slope * (k - lo), 1e-9)
 
+    def scale(self, b: int, k: int) -> float:
+        """Live calibration of (bucket, K): observed / predicted seconds, shrunk towards 1 by a
+        prior worth PRIOR_STEPS steps; a (bucket, K) never run borrows the nearest bucket's."""
+        bucket = self._bucket(b)
+        seen = sorted((abs(x - bucket), x) for (x, kk) in self._live if kk == k)
+        if not seen:
+            return 1.0
+        obs, pred, steps = self._live[(seen[0][1], k)]
+        prior = self.PRIOR_STEPS * pred / max(steps, 1e-9)
+        return (obs + prior) / (pred + prior)
+
+    def cost(self, b: int, k: int) -> float:
+        return self.base(b, k) * self.scale(b, k)
+
     def effective(self, b: int, k: int, verified: float) -> float:
+        """Seconds per step at K when a fraction `verified` of the steps verify (the others are
+        plain steps of the K variant, calibrated with it)."""
         if k == 0:
             return self.cost(b, 0)
-        return verified * self.cost(b, k) + (1.0 - verified) * self.cost(b, 0)
+        return (verified * self.base(b, k) + (1.0 - verified) * self.base(b, 0)) * self.scale(b, k)
 
-    def to_dict(self) -> dict:
-        return {str(b): {str(k): c for k, c in row.items()} for b, row in sorted(self.table.items())}
+    def observe(self, b: int, k: int, seconds: float, steps: int, verify_steps: int) -> None:
+        """A chunk at (bucket b, K) took `seconds` for `steps` steps, `verify_steps` of which
+        verified: update that (bucket, K)'s calibration."""
+        if steps <= 0 or seconds <= 0:
+            return
+        v = min(max(verify_steps, 0), steps) if k else 0
+        predicted = v * self.base(b, k) + (steps - v) * self.base(b, 0)
+        sums = self._live.setdefault((self._bucket(b), k), [0.0, 0.0, 0.0])
+        for i, x in enumerate((seconds, predicted, float(steps))):
+            sums[i] = sums[i] * self.DECAY + x
+
+    def to_dict(self, live: bool = False) -> dict:
+        """{bucket: {K: seconds}}: the table, or (`live`) the calibrated costs."""
+        get = self.cost if live else self.base
+        return {str(b): {str(k): get(b, k) for k in sorted(row)} for b, row in sorted(self.table.items())}
 
 
 class Policy:

@@ -13,7 +13,8 @@ One iteration of the loop:
    interactive request may preempt a batch row, which is parked (its one-row state kept on the
    device) and resumed later;
 3. the policy (policy.py) picks K for the chunk from the running rows per class, the queue depth,
-   the measured step costs and the acceptance monitor (monitor.py); probes run here too;
+   the step costs (warm-up table, calibrated by every chunk's wall time) and the acceptance
+   monitor (monitor.py); probes run here too;
 4. one compiled chunk of up to `chunk_steps` steps runs (it returns early when a row finishes and
    requests are waiting, so they get the slot at once);
 5. the rows' counters are read back: new tokens go to their requests, finished rows leave, the
@@ -220,11 +221,12 @@ class Scheduler:
             d = self.policy.choose(self.bucket, rows, queued, est, spec_on, (), self.k)
             # Explore only where a near-perfect drafter would pay at this batch size.
             worth = d.k == 0 and self.policy.best_gain(Estimate(1.0, [0.95] * width, 0), self.bucket)[0] > 1.0
-            probing = tuple(c for c in LATENCY_CLASSES if rows.get(c) and self.monitor.probe_due(c, self.steps, worth))
+            new = tuple(c for c in LATENCY_CLASSES if rows.get(c) and self.monitor.probe_due(c, self.steps, worth))
+            probing = tuple(c for c in LATENCY_CLASSES if rows.get(c) and self.monitor.probing(c)) + new
             if probing:
                 d = self.policy.choose(self.bucket, rows, queued, est, spec_on, probing, self.k)
                 n_steps = max(self.monitor.probe_steps(c, rows[c]) for c in probing)
-                for c in probing:
+                for c in new:
                     self.monitor.start_probe(c, self.steps, d.k, n_steps)
             k, reason = d.k, d.reason
         if k != self.k:
@@ -247,6 +249,7 @@ class Scheduler:
         if ran:
             self.metrics.step_seconds.set(seconds / ran, bucket=self.bucket, k=k)
         per_class = {c: Sample() for c in LATENCY_CLASSES}
+        verify_steps = 0  # a verifying step checks draft 1 of every live row: the most any row saw
         for slot, req in enumerate(self.slots):
             if req is None:
                 continue
@@ -258,6 +261,7 @@ class Scheduler:
             req.seen = {"steps": int(steps[slot]), "hist_len": int(hist_len[slot]), "checked": checked[slot].copy(),
                         "accepted": accepted[slot].copy()}
             req.run_steps += d.row_steps
+            verify_steps = max(verify_steps, d.verified)
             req.sample.add(d)
             if d.row_steps:
                 req.k_steps[k] += d.row_steps
@@ -266,6 +270,10 @@ class Scheduler:
             if done[slot]:
                 self._finish(req, "stop" if stopped[slot] else "length")
                 self.slots[slot] = None
+        if self.cfg.calibrate_costs:
+            self.costs.observe(self.bucket, k, seconds, ran, verify_steps)
+            for b in self.buckets:  # a (bucket, K) not run yet borrows the nearest bucket's calibration
+                self.metrics.expected_step.set(self.costs.cost(b, k), bucket=b, k=k)
         for c, d in per_class.items():
             label = {"class": c}
             if d.row_steps == 0:
