@@ -220,6 +220,22 @@ def test_step_costs_calibrate_to_the_chunks_run(engine, prompts):
     assert sched.costs.to_dict() == {str(b): {str(k): c for k, c in row.items()} for b, row in engine.step_costs.items()}
 
 
+def test_plain_chunk_times_k0_when_it_is_stale(engine, prompts):
+    """With calibration on, K > 0 is not run on a K = 0 cost nobody has timed: the first chunk
+    at a bucket, and one in every `cost_refresh_chunks` after, runs plain, with its reason."""
+    sched = Scheduler(engine, config(step_costs=FLAT, calibrate_costs=True, cost_refresh_chunks=3))
+    ks = []
+    choose = sched._choose
+    sched._choose = lambda rows, queued: ks.append(choose(rows, queued)) or ks[-1]
+    req = sched.submit(Request(prompts[0], SamplingParams(max_new_tokens=40, ignore_eos=True), "batch"))
+    drain(sched, [req])
+    k_seq = [k for k, _ in ks]
+    assert k_seq[0] == 0 and 3 in k_seq and k_seq.count(0) >= 2, k_seq
+    gaps = [i for i, k in enumerate(k_seq) if k == 0]
+    assert all(b - a <= 3 + 1 for a, b in zip(gaps, gaps[1:])), k_seq
+    assert any("plain chunk to time K=0" in d["reason"] for d in sched.log.recent() if d["kind"] == "k")
+
+
 def test_fallback_switches_off_and_back_on(engine, prompts):
     """Hot traffic (random drafts) switches speculation off for its class within a bounded
     number of steps; after the traffic cools, a probe switches it back on. /metrics shows both."""
@@ -319,9 +335,30 @@ def test_step_costs_live_calibration_changes_the_decision():
     assert costs.scale(2, 3) == costs.scale(1, 3)  # borrowed from bucket 1
     assert costs.to_dict() == {"1": {"0": 1.0, "3": 1.3}, "2": {"0": 1.2, "3": 1.8}}  # the table is kept
     assert costs.to_dict(live=True)["1"]["3"] == pytest.approx(costs.cost(1, 3))
+    assert not costs.stale(1, 0, 1) and not costs.stale(1, 3, 2) and costs.stale(1, 3, 1)  # K=3: 1 chunk ago
+    assert costs.stale(2, 0, 100)  # never run at bucket 2
     fresh = StepCosts({1: {0: 1.0, 3: 1.3}}, "warm-up")
     fresh.observe(1, 3, seconds=16.0, steps=8, verify_steps=8)  # one chunk: shrunk towards the table
     assert 1.0 < fresh.scale(1, 3) < 16.0 / (8 * 1.3)
+
+
+def test_policy_prices_k_on_lowered_acceptance():
+    """A young window (few checks) that looks good does not buy K > 0 where it would barely pay;
+    the same acceptance over a long window does. The prior (no checks) is not lowered."""
+    costs = {1: {0: 1.0, 3: 1.8}}
+    pol = _policy(costs, margin=0.0, ks=(0, 3), confidence_z=1.0)
+    on = {"batch": True}
+    young = Estimate(1.0, [0.6, 0.6, 0.6], 16, [16, 10, 6])
+    old = Estimate(1.0, [0.6, 0.6, 0.6], 1000, [1000, 600, 360])
+    assert young.mal(3) == old.mal(3) == pytest.approx(2.176)
+    low = young.lower(1.0)
+    assert low.acceptance == pytest.approx([0.6 - (0.24 / 16) ** 0.5, 0.6 - (0.24 / 10) ** 0.5, 0.6 - 0.2])
+    assert Estimate(1.0, [0.6], 0).lower(1.0).acceptance == [0.6] and young.lower(0.0) is young
+    assert Estimate(1.0, [0.9], 3, [3]).lower(1.0).acceptance == [0.0]  # < 4 checks: nothing
+    assert pol.choose(1, {"batch": 1}, 0, {"batch": young}, on, (), 0).k == 0
+    assert pol.choose(1, {"batch": 1}, 0, {"batch": old}, on, (), 0).k == 3
+    assert _policy(costs, margin=0.0, ks=(0, 3), confidence_z=0.0).choose(
+        1, {"batch": 1}, 0, {"batch": young}, on, (), 0).k == 3
 
 
 def test_load_bench_clients_run_fixed_work_and_summary_takes_medians():
@@ -342,7 +379,7 @@ def test_load_bench_clients_run_fixed_work_and_summary_takes_medians():
 
 
 def _policy(costs, **kw):
-    cfg = ServingConfig(ks=(0, 1, 2, 3, 4), buckets=tuple(costs), step_costs=costs, **kw).validate()
+    cfg = ServingConfig(**{"ks": (0, 1, 2, 3, 4), "buckets": tuple(costs), "step_costs": costs, **kw}).validate()
     return Policy(cfg, StepCosts(costs, "test"), cfg.ks)
 
 

@@ -25,7 +25,7 @@ class MonitorConfig:
     off_below: float = 1.0  # switch speculation off when the expected gain falls below this
     on_above: float = 1.05  # ... and back on when a probe measures at least this (hysteresis)
     probe_every: int = 96  # steps (of the scheduler) between probes while a class is off
-    probe_steps: int = 8  # least steps per probe chunk (a probe runs until it holds min_steps row-steps)
+    probe_steps: int = 2  # least steps per probe chunk (a probe runs until it holds min_steps row-steps)
     probe_backoff: float = 2.0  # each failed probe multiplies the interval between probes by this
     probe_every_max: int = 768  # ... up to this many steps
     prior_acceptance: float = 0.6  # per-position acceptance assumed before any measurement
@@ -50,6 +50,9 @@ class ServingConfig:
     default_max_tokens: int = 256  # chat completions without max_tokens (capped by the context)
     step_costs: Any = None  # {bucket: {K: seconds}} or a JSON path; None = measure at warm-up
     calibrate_costs: bool = True  # scale the step costs by what the chunks actually take (policy.py)
+    cost_refresh_chunks: int = 32  # with calibration: run plain a chunk when K = 0 has not been timed
+    # at this bucket for this many chunks (its cost is what every K > 0 is judged against); 0: never
+    confidence_z: float = 1.0  # K > 0 must pay with each acceptance lowered by this many std errors
     monitor: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
 
     def validate(self) -> "ServingConfig":
@@ -60,6 +63,8 @@ class ServingConfig:
             bad(f"buckets must be integers >= 1, got {self.buckets}")
         if not self.ks or min(self.ks) < 0:
             bad(f"ks must be integers >= 0, got {self.ks}")
+        if self.cost_refresh_chunks < 0 or self.confidence_z < 0:
+            bad("cost_refresh_chunks and confidence_z must be >= 0")
         if self.chunk_steps < 1:
             bad(f"chunk_steps must be >= 1, got {self.chunk_steps}")
         if self.max_seq_len < 2:

@@ -89,6 +89,20 @@ class Estimate:
     verified: float  # f, fraction of row-steps that verify
     acceptance: list[float]  # a_i per draft position (prior where unmeasured)
     row_steps: int  # evidence behind it
+    checks: list[int] | None = None  # times each position was checked (None: the prior, unmeasured)
+
+    def lower(self, z: float) -> "Estimate":
+        """Each measured a_i lowered by z standard errors (sqrt(a (1 - a) / n), n its checks; a
+        position checked fewer than 4 times counts as never accepted): a pessimistic view for
+        choosing K > 0 over plain decoding. The first tokens of replies are often easy, so a
+        young window overstates MAL; this keeps the policy from paying for that."""
+        if self.checks is None or z <= 0:
+            return self
+        acc = []
+        for i, a in enumerate(self.acceptance):
+            n = self.checks[i] if i < len(self.checks) else 0
+            acc.append(0.0 if n < 4 else max(a - z * (a * (1.0 - a) / n) ** 0.5, 0.0))
+        return dataclasses.replace(self, acceptance=acc)
 
     def mal(self, k: int) -> float:
         """Expected tokens per row-step at K: 1 + f * sum_j prod_{i<=j} a_i."""
@@ -170,9 +184,10 @@ class AcceptanceMonitor:
         prior = self.cfg.prior_acceptance
         if w.row_steps < (1 if measured else self.cfg.min_steps):
             return Estimate(1.0, [prior] * max(width, 1), w.row_steps)
-        acc = [a / c if c else prior for a, c in zip(_pad(w.accepted, width), _pad(w.checked, width))]
+        checked = _pad(w.checked, width)
+        acc = [a / c if c else prior for a, c in zip(_pad(w.accepted, width), checked)]
         verified = w.verified / w.row_steps if w.row_steps else 1.0
-        return Estimate(verified, acc or [prior], w.row_steps)
+        return Estimate(verified, acc or [prior], w.row_steps, [int(c) for c in checked] or None)
 
     # ---- decisions -----------------------------------------------------------------------------
 

@@ -24,7 +24,9 @@ throughput
 
     value(K) = sum over classes c of  w_c * n_c * MAL_c(K) / c_eff(B, K)
 
-(n_c rows of class c; a class whose speculation the monitor has switched off counts MAL 1;
+(n_c rows of class c, MAL_c from each acceptance lowered by `confidence_z` standard errors of
+its window, so a young or small window does not buy K > 0 on luck; a class whose speculation the
+monitor has switched off counts MAL 1;
 interactive rows weigh `interactive_weight` while no request is queued, 1 otherwise: with a
 queue, every waiting request's latency is throughput). Smoothness: value(K) is continuous in
 the measured inputs and the choice is its argmax over a ladder of K values (0, 1, 2, ...), so
@@ -71,6 +73,8 @@ class StepCosts:
         self.source = source
         # (bucket, K) -> [decayed observed seconds, decayed predicted seconds, decayed steps]
         self._live: dict[tuple[int, int], list[float]] = {}
+        self._seen_at: dict[tuple[int, int], int] = {}  # (bucket, K) -> observation number
+        self.observations = 0
 
     def _bucket(self, b: int) -> int:
         buckets = sorted(self.table)
@@ -124,6 +128,13 @@ class StepCosts:
         sums = self._live.setdefault((self._bucket(b), k), [0.0, 0.0, 0.0])
         for i, x in enumerate((seconds, predicted, float(steps))):
             sums[i] = sums[i] * self.DECAY + x
+        self.observations += 1
+        self._seen_at[(self._bucket(b), k)] = self.observations
+
+    def stale(self, b: int, k: int, within: int) -> bool:
+        """(bucket, K) not observed in the last `within` observed chunks (or never)."""
+        seen = self._seen_at.get((self._bucket(b), k))
+        return seen is None or self.observations - seen >= within
 
     def to_dict(self, live: bool = False) -> dict:
         """{bucket: {K: seconds}}: the table, or (`live`) the calibrated costs."""
@@ -177,6 +188,7 @@ class Policy:
         present = [c for c, m in rows.items() if m > 0]
         if not present:
             return Decision(current_k, "no running rows")
+        estimates = {c: e.lower(self.cfg.confidence_z) for c, e in estimates.items()}
         weight = {c: (self.cfg.interactive_weight if c == "interactive" and queued == 0 else 1.0) for c in present}
         f = sum(rows[c] * estimates[c].verified for c in present) / sum(rows[c] for c in present)
 

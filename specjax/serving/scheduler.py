@@ -229,6 +229,12 @@ class Scheduler:
                 for c in new:
                     self.monitor.start_probe(c, self.steps, d.k, n_steps)
             k, reason = d.k, d.reason
+            if (k > 0 and not probing and self.cfg.calibrate_costs and self.cfg.cost_refresh_chunks
+                    and self.costs.stale(self.bucket, 0, self.cfg.cost_refresh_chunks)):
+                reason = (f"plain chunk to time K=0 at bucket {self.bucket} (not timed in the last "
+                          f"{self.cfg.cost_refresh_chunks} chunks; every K > 0 is priced against it); "
+                          f"the policy chose K={k}: {reason}")
+                k = 0
         if k != self.k:
             self.log.add("k", f"K {self.k} -> {k}: {reason}", k=k, previous=self.k, bucket=self.bucket,
                          rows=sum(rows.values()), step=self.steps)
