@@ -271,7 +271,8 @@ def test_exploration_measures_a_drafter_the_prior_undersells(engine, prompts):
     """Costs where the prior acceptance says speculation does not pay, a drafter that is in fact
     perfect: an exploration probe measures it and the policy switches to K > 0."""
     mon = MonitorConfig(min_steps=4, probe_steps=2, window_steps=16)
-    sched = Scheduler(engine, config(step_costs={1: {0: 1.0, 3: 2.8}, 2: {0: 1.0, 3: 2.8}}, monitor=mon))
+    # prior (0.6 per position): MAL(3) 2.18 < 2.5, plain; a good drafter (0.75): 2.73 > 2.5, explore
+    sched = Scheduler(engine, config(step_costs={1: {0: 1.0, 3: 2.5}, 2: {0: 1.0, 3: 2.5}}, monitor=mon))
     req = sched.submit(Request(prompts[0], SamplingParams(max_new_tokens=40, ignore_eos=True), "interactive"))
     drain(sched, [req])
     kinds = [d["kind"] for d in sched.log.recent()]
@@ -294,8 +295,10 @@ def test_load_sweep_point_and_summary(engine, target, prompts):
     from specjax.serving import loadbench
 
     pool = {"interactive": prompts[:4], "batch": prompts[4:8]}
-    points = [loadbench.run_point(engine, config(), (), mode, c, 4, pool, 8, 0.5)
-              for c in (1, 2) for mode in loadbench.MODES]
+    scheds = loadbench.start_modes(engine, config(), (), loadbench.MODES)
+    points = [loadbench.run_point(scheds[mode], c, 4, pool, 8, 0.5) for c in (1, 2) for mode in loadbench.MODES]
+    for sc in scheds.values():
+        sc.stop()
     for p in points:
         assert p["requests"] == 4 and p["tokens"] == 4 * 8 and p["tokens_per_second"] > 0
     assert set(points[0]["steps_by_k"]) == {"3"} and set(points[1]["steps_by_k"]) == {"0"}  # always / never
@@ -319,7 +322,7 @@ def test_step_costs_interpolate():
 def test_step_costs_live_calibration_changes_the_decision():
     """Warm-up says K=3 costs 1.3 plain steps, so MAL 1.45 would pay; the chunks the scheduler
     times say K=3 steps cost 1.6 (with half of them verifying): the calibrated gain is below 1
-    and the policy picks plain decoding. Buckets never run at a K borrow the nearest one's."""
+    and the policy picks plain decoding. A K not run at a bucket borrows that bucket's run K."""
     costs = StepCosts({1: {0: 1.0, 3: 1.3}, 2: {0: 1.2, 3: 1.8}}, "warm-up")
     pol = Policy(ServingConfig(ks=(0, 3), buckets=(1, 2), margin=0.0).validate(), costs, (0, 3))
     est = {"batch": Estimate(1.0, [0.45, 0.0, 0.0], 100)}
@@ -332,11 +335,13 @@ def test_step_costs_live_calibration_changes_the_decision():
     assert costs.scale(1, 3) == pytest.approx(12.8 / 9.2, rel=0.02) and costs.scale(1, 0) == pytest.approx(1.0)
     assert costs.cost(1, 3) == pytest.approx(1.3 * 12.8 / 9.2, rel=0.02)
     assert pol.gain(est["batch"], 1, 3) < 1.0 and pol.choose(1, {"batch": 1}, 0, est, on, (), 3).k == 0
-    assert costs.scale(2, 3) == costs.scale(1, 3)  # borrowed from bucket 1
     assert costs.to_dict() == {"1": {"0": 1.0, "3": 1.3}, "2": {"0": 1.2, "3": 1.8}}  # the table is kept
     assert costs.to_dict(live=True)["1"]["3"] == pytest.approx(costs.cost(1, 3))
     assert not costs.stale(1, 0, 1) and not costs.stale(1, 3, 2) and costs.stale(1, 3, 1)  # K=3: 1 chunk ago
     assert costs.stale(2, 0, 100)  # never run at bucket 2
+    assert costs.scale(2, 3) == 1.0  # nothing run at bucket 2: the table's ratios as they are
+    costs.observe(2, 0, seconds=8 * 1.2 * 1.5, steps=8, verify_steps=0)  # bucket 2 runs 1.5x slow
+    assert costs.scale(2, 3) == costs.scale(2, 0) > 1.2  # an unrun K borrows the bucket's run K
     fresh = StepCosts({1: {0: 1.0, 3: 1.3}}, "warm-up")
     fresh.observe(1, 3, seconds=16.0, steps=8, verify_steps=8)  # one chunk: shrunk towards the table
     assert 1.0 < fresh.scale(1, 3) < 16.0 / (8 * 1.3)

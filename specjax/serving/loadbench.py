@@ -4,7 +4,10 @@ Offered load = C concurrent closed-loop clients (each sends its next request whe
 finished), a share of them interactive, the rest batch. Each client has its own fixed list of
 requests, so every mode runs exactly the same work. At every load point the modes run in turn,
 `repeats` times in rotated order (drift on a shared machine hits every mode alike), on one
-warmed-up slot engine (nothing compiles during the sweep):
+warmed-up slot engine (nothing compiles during the sweep). Each mode is one scheduler that runs
+for the whole sweep, as a server does while its load changes: the rules' acceptance monitor and
+cost calibration carry over from point to point (a fresh scheduler per point would charge every
+short point with what a server learns once):
 
 * `always`: speculation always on at K_max (no fallback);
 * `never`: plain decoding (K = 0);
@@ -70,10 +73,18 @@ def client_requests(clients: int, n_requests: int, interactive_share: float) -> 
     return out
 
 
-def run_point(engine: SlotEngine, cfg: ServingConfig, eos_ids, mode: str, clients: int, n_requests: int,
-              prompts: dict[str, list[list[int]]], max_tokens: int, interactive_share: float) -> dict:
-    """One load point under one mode: C closed-loop clients, each through its own request list."""
-    sched = Scheduler(engine, dataclasses.replace(cfg, policy=mode), eos_ids=eos_ids).start()
+def start_modes(engine: SlotEngine, cfg: ServingConfig, eos_ids, modes) -> dict[str, Scheduler]:
+    """One running scheduler per mode, kept for the whole sweep: a server whose offered load
+    changes, so the rules' monitor and cost calibration carry over from point to point."""
+    return {m: Scheduler(engine, dataclasses.replace(cfg, policy=m), eos_ids=eos_ids).start() for m in modes}
+
+
+def run_point(sched: Scheduler, clients: int, n_requests: int, prompts: dict[str, list[list[int]]],
+              max_tokens: int, interactive_share: float) -> dict:
+    """One load point on a running scheduler (its policy is the mode): C closed-loop clients,
+    each through its own request list."""
+    mode = sched.cfg.policy
+    first_seq = max((d["seq"] for d in sched.log.recent()), default=0)
     lock = threading.Lock()
     done: list[Request] = []
     sp = SamplingParams(max_new_tokens=max_tokens)
@@ -97,8 +108,7 @@ def run_point(engine: SlotEngine, cfg: ServingConfig, eos_ids, mode: str, client
     ks = collections.Counter()
     for r in done:
         ks.update(r.k_steps)
-    sched.stop()
-    decisions = [d for d in sched.log.recent() if d["kind"] in SPEC_DECISIONS]
+    decisions = [d for d in sched.log.recent() if d["kind"] in SPEC_DECISIONS and d["seq"] > first_seq]
     row = {"mode": mode, "clients": clients, "requests": len(done), "seconds": wall,
            "tokens": sum(len(r.token_ids) for r in done),
            "steps_by_k": {str(k): v for k, v in sorted(ks.items())},
@@ -154,12 +164,17 @@ def run_sweep(model, drafter: str, cfg: ServingConfig, loads: list[int], modes: 
     cfg = dataclasses.replace(cfg, step_costs=base.costs.table)
     prompts = _prompts(model, suites, engine.max_seq_len - max_tokens, max(requests_per_load, 8), seed)
     points = []
-    for c in loads:
-        for rep in range(repeats):
-            for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:  # rotated each repeat
-                say(f"load {c} clients, mode {mode}, run {rep + 1}/{repeats} ...")
-                points.append(run_point(engine, cfg, model.config.eos_token_ids, mode, c, requests_per_load,
-                                        prompts, max_tokens, interactive_share) | {"repeat": rep})
+    scheds = start_modes(engine, cfg, model.config.eos_token_ids, modes)
+    try:
+        for c in loads:
+            for rep in range(repeats):
+                for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:  # rotated each repeat
+                    say(f"load {c} clients, mode {mode}, run {rep + 1}/{repeats} ...")
+                    points.append(run_point(scheds[mode], c, requests_per_load, prompts, max_tokens,
+                                            interactive_share) | {"repeat": rep})
+    finally:
+        for sc in scheds.values():
+            sc.stop()
     result = {"model": model.name, "drafter": drafter, "ks": list(engine.ks), "buckets": list(engine.buckets),
               "max_tokens": max_tokens, "requests_per_load": requests_per_load, "repeats": repeats, "suites": suites,
               "step_costs": base.costs.to_dict(), "points": points, "summary": summarize(points)}

@@ -22,7 +22,11 @@ the expected gain of K over plain decoding (policy.py). Fallback rules, per clas
   does not pay costs ever less; switching back on resets it;
 * a class that is on but has no evidence (the policy priced the prior and chose plain decoding,
   so no speculative step ever measured the drafter) gets an exploration probe every
-  `probe_every` steps, as long as a near-perfect drafter could pay at the current batch size;
+  `probe_every` steps;
+* probes and exploration run only at batch sizes where a good drafter (per-position acceptance
+  `probe_acceptance`) would pay: a probe runs every row of the batch at K > 0, and at a batch
+  size where verifying costs more than even a good drafter returns, the measurement waits for a
+  smaller batch (on this CPU a probe at 8 rows cost 5-7% of a short run's throughput);
 * off -> on when a probe's expected gain is at least `on_above` (> off_below: hysteresis, so a
   class near the break-even point does not flap), or when rows of the class that ran in other
   classes' speculative chunks since the switch (the window is cleared at it) show that much.
@@ -195,9 +199,9 @@ class AcceptanceMonitor:
         return not self.enabled or self.classes[cls].on
 
     def probe_due(self, cls: str, step: int, worth_exploring: bool = False) -> bool:
-        """A probe is due for a class that is off, every `probe_every` steps; and, as exploration,
-        for a class that is on but has no evidence yet (the policy, pricing the prior, chose plain
-        decoding), when `worth_exploring` (a good drafter could pay at this batch size)."""
+        """A probe is due for a class that is off, every `probe_every` steps (more after failed
+        probes); and, as exploration, for a class that is on but has no evidence yet, when
+        `worth_exploring` (the policy, pricing the prior, chose plain decoding)."""
         st = self.classes[cls]
         if not self.enabled or st.probing:
             return False

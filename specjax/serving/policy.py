@@ -99,12 +99,16 @@ class StepCosts:
 
     def scale(self, b: int, k: int) -> float:
         """Live calibration of (bucket, K): observed / predicted seconds, shrunk towards 1 by a
-        prior worth PRIOR_STEPS steps; a (bucket, K) never run borrows the nearest bucket's."""
+        prior worth PRIOR_STEPS steps. A K never run at this bucket borrows the nearest K run
+        there (K > 0 first for K > 0): what the policy reads are ratios between K values at one
+        bucket, and a calibrated K against an uncalibrated one would skew them by however far
+        the machine has drifted since warm-up. Nothing run at the bucket: the table as it is."""
         bucket = self._bucket(b)
-        seen = sorted((abs(x - bucket), x) for (x, kk) in self._live if kk == k)
+        seen = sorted((abs(kk - k) + (0.5 if k > 0 and kk == 0 else 0.0), kk)
+                      for (x, kk) in self._live if x == bucket)
         if not seen:
             return 1.0
-        obs, pred, steps = self._live[(seen[0][1], k)]
+        obs, pred, steps = self._live[(bucket, seen[0][1])]
         prior = self.PRIOR_STEPS * pred / max(steps, 1e-9)
         return (obs + prior) / (pred + prior)
 

@@ -219,9 +219,13 @@ class Scheduler:
             est = {c: self.monitor.estimate(c, width) for c in LATENCY_CLASSES}
             spec_on = {c: self.monitor.spec_on(c) for c in LATENCY_CLASSES}
             d = self.policy.choose(self.bucket, rows, queued, est, spec_on, (), self.k)
-            # Explore only where a near-perfect drafter would pay at this batch size.
-            worth = d.k == 0 and self.policy.best_gain(Estimate(1.0, [0.95] * width, 0), self.bucket)[0] > 1.0
-            new = tuple(c for c in LATENCY_CLASSES if rows.get(c) and self.monitor.probe_due(c, self.steps, worth))
+            # Probe and explore only where a good drafter would pay at this batch size: a probe
+            # runs every row at K > 0, and where the verify pass costs more than even a good
+            # drafter returns, the measurement is better taken when the batch is smaller.
+            good = Estimate(1.0, [self.cfg.monitor.probe_acceptance] * width, 0)
+            cheap = self.policy.best_gain(good, self.bucket)[0] > 1.0
+            new = tuple(c for c in LATENCY_CLASSES
+                        if rows.get(c) and cheap and self.monitor.probe_due(c, self.steps, d.k == 0))
             probing = tuple(c for c in LATENCY_CLASSES if rows.get(c) and self.monitor.probing(c)) + new
             if probing:
                 d = self.policy.choose(self.bucket, rows, queued, est, spec_on, probing, self.k)
@@ -229,7 +233,8 @@ class Scheduler:
                 for c in new:
                     self.monitor.start_probe(c, self.steps, d.k, n_steps)
             k, reason = d.k, d.reason
-            if (k > 0 and not probing and self.cfg.calibrate_costs and self.cfg.cost_refresh_chunks
+            if (k > 0 and not probing and self.cfg.policy == "rules" and self.cfg.calibrate_costs
+                    and self.cfg.cost_refresh_chunks
                     and self.costs.stale(self.bucket, 0, self.cfg.cost_refresh_chunks)):
                 reason = (f"plain chunk to time K=0 at bucket {self.bucket} (not timed in the last "
                           f"{self.cfg.cost_refresh_chunks} chunks; every K > 0 is priced against it); "
