@@ -85,6 +85,8 @@ def run_point(sched: Scheduler, clients: int, n_requests: int, prompts: dict[str
     each through its own request list."""
     mode = sched.cfg.policy
     first_seq = max((d["seq"] for d in sched.log.recent()), default=0)
+    time0, steps0, iter0 = collections.Counter(sched.chunk_time), collections.Counter(sched.chunk_steps), sched.chunks
+    compiles0 = sched.engine.compiles_after_warmup
     lock = threading.Lock()
     done: list[Request] = []
     sp = SamplingParams(max_new_tokens=max_tokens)
@@ -115,6 +117,13 @@ def run_point(sched: Scheduler, clients: int, n_requests: int, prompts: dict[str
            "k_changes": sum(d["kind"] == "k" for d in decisions),
            "fallback_switches": sum(d["kind"] in ("spec_off", "spec_on") for d in decisions),
            "live_step_costs": sched.costs.to_dict(live=True),
+           # where the scheduler's time went: ms per step of the chunks at each K, chunks run,
+           # and compiles on the hot path (should be 0)
+           "ms_per_step_by_k": {str(k): 1e3 * (sched.chunk_time[k] - time0[k]) / n
+                                for k in sorted(sched.chunk_steps) if (n := sched.chunk_steps[k] - steps0[k])},
+           "chunk_seconds": sum(sched.chunk_time.values()) - sum(time0.values()),
+           "chunks": sched.chunks - iter0,
+           "compiles": sched.engine.compiles_after_warmup - compiles0,
            "decisions": decisions}
     row["tokens_per_second"] = row["tokens"] / wall
     for cls in ("interactive", "batch"):

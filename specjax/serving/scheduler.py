@@ -121,6 +121,8 @@ class Scheduler:
         self.k = engine.kmax if cfg.policy != "never" else 0
         self.steps = 0  # scheduler steps (chunks x steps)
         self.chunks = 0
+        self.chunk_time = collections.Counter()  # K -> seconds spent in chunks at that K
+        self.chunk_steps = collections.Counter()  # K -> steps run at that K
         self._small_for = 0  # consecutive chunks the live rows fitted a smaller bucket
         self.failure: str | None = None
         for c in LATENCY_CLASSES:
@@ -256,6 +258,8 @@ class Scheduler:
         now = time.perf_counter()
         self.steps += ran
         self.chunks += 1
+        self.chunk_time[k] += seconds
+        self.chunk_steps[k] += ran
         self.metrics.steps.inc(ran, k=k)
         if ran:
             self.metrics.step_seconds.set(seconds / ran, bucket=self.bucket, k=k)
