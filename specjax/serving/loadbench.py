@@ -86,6 +86,7 @@ def run_point(sched: Scheduler, clients: int, n_requests: int, prompts: dict[str
     mode = sched.cfg.policy
     first_seq = max((d["seq"] for d in sched.log.recent()), default=0)
     time0, steps0, iter0 = collections.Counter(sched.chunk_time), collections.Counter(sched.chunk_steps), sched.chunks
+    resizes0 = sched.resizes
     compiles0 = sched.engine.compiles_after_warmup
     lock = threading.Lock()
     done: list[Request] = []
@@ -117,10 +118,12 @@ def run_point(sched: Scheduler, clients: int, n_requests: int, prompts: dict[str
            "k_changes": sum(d["kind"] == "k" for d in decisions),
            "fallback_switches": sum(d["kind"] in ("spec_off", "spec_on") for d in decisions),
            "live_step_costs": sched.costs.to_dict(live=True),
-           # where the scheduler's time went: ms per step of the chunks at each K, chunks run,
-           # and compiles on the hot path (should be 0)
-           "ms_per_step_by_k": {str(k): 1e3 * (sched.chunk_time[k] - time0[k]) / n
-                                for k in sorted(sched.chunk_steps) if (n := sched.chunk_steps[k] - steps0[k])},
+           # where the scheduler's time went: per bucket and K the steps run and ms per step,
+           # chunks, bucket changes, and compiles on the hot path (should be 0)
+           "steps_ms_by_bucket_k": {f"{b}:{k}": [n, 1e3 * (sched.chunk_time[(b, k)] - time0[(b, k)]) / n]
+                                    for b, k in sorted(sched.chunk_steps)
+                                    if (n := sched.chunk_steps[(b, k)] - steps0[(b, k)])},
+           "resizes": sched.resizes - resizes0,
            "chunk_seconds": sum(sched.chunk_time.values()) - sum(time0.values()),
            "chunks": sched.chunks - iter0,
            "compiles": sched.engine.compiles_after_warmup - compiles0,

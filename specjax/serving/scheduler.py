@@ -121,8 +121,9 @@ class Scheduler:
         self.k = engine.kmax if cfg.policy != "never" else 0
         self.steps = 0  # scheduler steps (chunks x steps)
         self.chunks = 0
-        self.chunk_time = collections.Counter()  # K -> seconds spent in chunks at that K
-        self.chunk_steps = collections.Counter()  # K -> steps run at that K
+        self.chunk_time = collections.Counter()  # (bucket, K) -> seconds spent in chunks there
+        self.chunk_steps = collections.Counter()  # (bucket, K) -> steps run there
+        self.resizes = 0
         self._small_for = 0  # consecutive chunks the live rows fitted a smaller bucket
         self.failure: str | None = None
         for c in LATENCY_CLASSES:
@@ -258,8 +259,8 @@ class Scheduler:
         now = time.perf_counter()
         self.steps += ran
         self.chunks += 1
-        self.chunk_time[k] += seconds
-        self.chunk_steps[k] += ran
+        self.chunk_time[(self.bucket, k)] += seconds
+        self.chunk_steps[(self.bucket, k)] += ran
         self.metrics.steps.inc(ran, k=k)
         if ran:
             self.metrics.step_seconds.set(seconds / ran, bucket=self.bucket, k=k)
@@ -431,6 +432,7 @@ class Scheduler:
         self.state = self.engine.resize(self.state, live, bucket)
         self.slots = [self.slots[i] for i in live] + [None] * (bucket - len(live))
         self.log.add("bucket", f"running batch bucket {self.bucket} -> {bucket}: {why}", bucket=bucket)
+        self.resizes += 1
         self.bucket = bucket
         self._small_for = 0
 
