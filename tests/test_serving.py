@@ -301,6 +301,8 @@ def test_load_sweep_point_and_summary(engine, target, prompts):
         sc.stop()
     for p in points:
         assert p["requests"] == 4 and p["tokens"] == 4 * 8 and p["tokens_per_second"] > 0
+        assert p["compiles"] == 0 and p["chunks"] > 0 and 0 < p["chunk_seconds"] <= p["seconds"]
+        assert all(n > 0 and ms > 0 for n, ms in p["steps_ms_by_bucket_k"].values())
     assert set(points[0]["steps_by_k"]) == {"3"} and set(points[1]["steps_by_k"]) == {"0"}  # always / never
     for p in points:  # the JSON carries each decision about speculation with its reason
         assert all(d["kind"] in loadbench.SPEC_DECISIONS and d["reason"] for d in p["decisions"])
