@@ -14,9 +14,11 @@ MAL(K) towards 1 with the same effect. The step costs come from the slot engine'
 timed chunk per (bucket, K)) or from a JSON file (`step_costs` in the serving config), and are
 recalibrated live: every chunk's wall time is compared with what the table predicts for its
 verify and plain steps, and a decayed ratio per (bucket, K) scales the table. Warm-up times a
-few steps of a synthetic row; in service the steps run on real contexts, pay the drafter's
-proposal on every step and the host's loop overhead, and on this CPU that moved the K = 3 :
-K = 0 cost ratio from 1.3 to 1.55, enough to turn an expected gain of 1.08 into a real 0.92.
+few steps of a synthetic row, once; in service the steps run on real contexts, pay the
+drafter's proposal on every step, and share the machine with whatever else runs. In one
+serve-bench sweep on this CPU a disturbed warm-up timed K = 3 at 1.10x K = 0 for one row
+where the chunks then ran at ~1.9x, and uncalibrated rules speculated on every step of a load
+where speculation lost (docs/performance.md).
 MAL(K) and f come from the acceptance monitor's rolling window, per latency class.
 
 The rules policy picks, for the running batch, the K that maximises expected weighted
