@@ -264,9 +264,17 @@ def plan_batches(rows: list[JobRow], batch_size: int, data: int = 1) -> list[tup
         g = sorted(g, key=lambda r: (len(r.token_ids), r.line))
         for i in range(0, len(g), batch_size):
             batch = g[i : i + batch_size]
-            size = min(batch_size, 1 << (len(batch) - 1).bit_length())
-            out.append((batch, -(-size // data) * data))
+            out.append((batch, batch_rows(len(batch), batch_size, data)))
     return out
+
+
+def batch_rows(n: int, batch_size: int, data: int = 1) -> int:
+    """Rows a batch of n runs with: n rounded up to a power of two (at most batch_size), then to
+    a multiple of the mesh's `data` axis."""
+    # imported here: jax loads only when a job runs, not for the CLI's input checks
+    from specjax.engine import bucket_multiple, bucket_pow2
+
+    return bucket_multiple(min(batch_size, bucket_pow2(n, lo=1)), data)
 
 
 def batch_inputs(batch: list[JobRow], size: int) -> tuple[list[list[int]], list]:
@@ -474,7 +482,7 @@ def generate_batch(batch, size, model, cfg, mesh) -> list[tuple[JobRow, Any]]:
         except SpecjaxError as e:
             if len(rows) == 1:
                 return [(rows[0], e)]
-        except Exception as e:  # noqa: BLE001 - only device out-of-memory is handled here
+        except Exception as e:  # only device out-of-memory is handled here; anything else re-raises
             if not out_of_memory(e):
                 raise
             if len(rows) == 1:
@@ -483,8 +491,7 @@ def generate_batch(batch, size, model, cfg, mesh) -> list[tuple[JobRow, Any]]:
             half = (len(rows) + 1) // 2
             log(f"a batch of {len(rows)} rows (padded to {n}, prompts up to {len(rows[-1].token_ids)} tokens) ran "
                 f"out of device memory; running it as two batches")
-            return [x for part in (rows[:half], rows[half:])
-                    for x in run(part, -(-(1 << (len(part) - 1).bit_length()) // data) * data)]
+            return [x for part in (rows[:half], rows[half:]) for x in run(part, batch_rows(len(part), n, data))]
         out = []
         for r in rows:
             try:

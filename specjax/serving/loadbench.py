@@ -16,7 +16,8 @@ short point with what a server learns once):
 Reported per point and mode: generated tokens per second (median over repeats, and the spread
 of the repeats, which is the noise the claim is judged against), mean inter-token latency and
 time to first token per class, mean accepted length, and (JSON) every decision about
-speculation with its reason; per point: rules / max(always, never) and rules / never throughput. The claim under test: rules >= the better fixed mode within noise, and never
+speculation with its reason; per point: rules / max(always, never) and rules / never
+throughput. The claim under test: rules >= the better fixed mode within noise, and never
 below 0.97x plain. The scheduler is driven in-process (no HTTP), so the figures measure the
 scheduling rules, not the HTTP stack. Prompts: the batch class takes the first suite (code:
 HumanEval), the interactive class the second (chat: MT-Bench), greedy.

@@ -148,7 +148,7 @@ class _ClassState:
         self.last_probe_step = -(10**9)  # scheduler step when the class went off or last probed
         self.off_since = 0
         self.switches = 0
-        self.probe_interval = 0  # steps between probes while off (set when switched off)
+        self.probe_interval = 0  # steps between probes while off (reset to probe_every at each switch off)
 
 
 class AcceptanceMonitor:
@@ -247,7 +247,6 @@ class AcceptanceMonitor:
             elif gain >= cfg.on_above:
                 st.on = True
                 st.switches += 1
-                st.probe_interval = cfg.probe_every
                 self.log.add("spec_on", f"class {cls}: probe measured expected gain {gain:.2f} >= "
                              f"{cfg.on_above:.2f}; speculation back on ({detail})", cls=cls, gain=gain, step=step)
                 return
@@ -271,7 +270,6 @@ class AcceptanceMonitor:
         elif not st.on and gain >= cfg.on_above:  # measured in other classes' speculative chunks
             st.on = True
             st.switches += 1
-            st.probe_interval = cfg.probe_every
             self.log.add("spec_on", f"class {cls}: expected gain {gain:.2f} >= {cfg.on_above:.2f} over "
                          f"{st.window_steps} row-steps since it was switched off; speculation back on ({detail})",
                          cls=cls, gain=gain, step=step)
