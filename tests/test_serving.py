@@ -377,12 +377,23 @@ def test_load_bench_clients_run_fixed_work_and_summary_takes_medians():
     assert sorted(sum((ix for c, ix in work if c == "batch"), [])) == [0, 1, 2, 3]  # each prompt once per class
     assert work == loadbench.client_requests(4, 10, 0.5)
     assert loadbench.client_requests(1, 3, 0.5) == [("batch", [0, 1, 2])]
-    pts = [{"clients": 2, "mode": m, "tokens_per_second": v}
-           for m, v in [("never", 10.0), ("never", 12.0), ("never", 11.0), ("rules", 11.5), ("rules", 10.5),
-                        ("rules", 11.0), ("always", 8.0), ("always", 8.2), ("always", 8.1)]]
+    modes = ["always", "never", "rules"]
+    orders = [loadbench.run_order(modes, r) for r in range(4)]
+    assert orders[:2] == [modes, modes[::-1]] and all(sorted(o) == modes for o in orders)
+    for m in modes:  # balanced: each mode's mean position over an even number of repeats is the middle
+        assert sum(o.index(m) for o in orders) == 4 and sum(o.index(m) for o in orders[:2]) == 2
+    pts = [{"clients": 2, "mode": m, "tokens_per_second": v, "repeat": r}
+           for m, r, v in [("never", 0, 10.0), ("never", 1, 12.0), ("never", 2, 11.0), ("rules", 0, 10.5),
+                           ("rules", 1, 11.5), ("rules", 2, 11.0), ("always", 0, 8.0), ("always", 1, 12.5),
+                           ("always", 2, 8.1)]]
     (s,) = loadbench.summarize(pts)
     assert s["never_tok_s"] == 11.0 and s["rules_tok_s"] == 11.0 and s["repeats"] == 3
-    assert s["noise"] == pytest.approx(2.0 / 11.0) and s["rules_vs_best_fixed"] == 1.0 and s["rules_vs_plain"] == 1.0
+    assert s["noise"] == pytest.approx(4.5 / 8.1) and s["rules_vs_best_fixed"] == 1.0 and s["rules_vs_plain"] == 1.0
+    # paired: per repeat 10.5/10, 11.5/12 (11.5/12.5 against the best fixed), 11/11 -> medians
+    assert s["rules_vs_plain_paired"] == pytest.approx(1.0)
+    assert s["rules_vs_best_fixed_paired"] == pytest.approx(1.0)
+    (s,) = loadbench.summarize([p for p in pts if not (p["mode"] == "rules" and p["repeat"] == 2)])
+    assert s["rules_vs_plain_paired"] == pytest.approx((10.5 / 10 + 11.5 / 12) / 2)
 
 
 def _policy(costs, **kw):
@@ -462,8 +473,22 @@ def test_monitor_bounded_switch_off_probe_and_on():
     assert mon.estimate("batch", 2, measured=True).acceptance == [1.0, 1.0]
     mon.record("batch", 2, bad)
     mon.record("batch", 2, bad)
-    mon.evaluate("batch", 0.8, "d", 70)  # off again: the probe interval starts from probe_every
-    assert not mon.spec_on("batch") and mon.probe_due("batch", 80)
+    mon.evaluate("batch", 0.8, "d", 70)  # off again soon after a lucky probe: the backoff goes on, 20 -> 40
+    assert not mon.spec_on("batch") and not mon.probe_due("batch", 109) and mon.probe_due("batch", 110)
+    # A probe is switched on by its pessimistic gain (acceptance lowered), not its point estimate.
+    mon.start_probe("batch", 110, 2, 8)
+    mon.record("batch", 2, Sample(8, 24, 8, np.array([8, 8]), np.array([8, 8])))
+    mon.evaluate("batch", 2.9, "d", 118, gain_on=1.0)
+    assert not mon.spec_on("batch") and "lower bound 1.00" in log.recent()[-1]["reason"]
+    assert not mon.probe_due("batch", 118 + 79) and mon.probe_due("batch", 118 + 80)  # failed: 40 -> 80
+    mon.start_probe("batch", 198, 2, 8)
+    mon.record("batch", 2, Sample(8, 24, 8, np.array([8, 8]), np.array([8, 8])))
+    mon.evaluate("batch", 2.9, "d", 206, gain_on=2.0)
+    assert mon.spec_on("batch")
+    mon.record("batch", 2, bad)
+    mon.record("batch", 2, bad)
+    mon.evaluate("batch", 0.8, "d", 206 + 768)  # on for probe_every_max steps: the ladder restarts
+    assert not mon.spec_on("batch") and mon.probe_due("batch", 206 + 768 + 10)
     mon2 = AcceptanceMonitor(cfg, ("batch",), "ngram", DecisionLog())
     mon2.record("batch", 2, Sample(4, 12, 4, np.array([4, 4]), np.array([4, 4])))
     assert mon2.estimate("batch", 2).acceptance == [0.6, 0.6]  # 4 row-steps < min_steps: the prior

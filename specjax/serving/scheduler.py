@@ -306,10 +306,11 @@ class Scheduler:
                 b = self.buckets[0]
                 est = self.monitor.estimate(c, self.engine.stat_width, measured=True)
                 gain, best_k = self.policy.best_gain(est, b)
+                gain_on = self.policy.best_gain(est.lower(self.cfg.confidence_z), b)[0]
                 on = self.monitor.spec_on(c)
                 detail = (f"MAL({best_k}) {est.mal(best_k):.2f}, verified {est.verified:.2f}, step cost "
                           f"K={best_k}/K=0 {self.costs.cost(b, best_k) / self.costs.cost(b, 0):.2f} at B={b}")
-                self.monitor.evaluate(c, gain, detail, self.steps)
+                self.monitor.evaluate(c, gain, detail, self.steps, gain_on)
                 if self.monitor.spec_on(c) != on:
                     self.metrics.switches.inc(**label, to="on" if not on else "off")
             snap = self.monitor.snapshot()[c]
