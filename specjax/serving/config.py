@@ -29,7 +29,7 @@ class MonitorConfig:
     probe_backoff: float = 2.0  # each failed probe multiplies the interval between probes by this
     probe_every_max: int = 768  # ... up to this many steps
     prior_acceptance: float = 0.6  # per-position acceptance assumed before any measurement
-    probe_acceptance: float = 0.75  # probe / explore only at batch sizes where a drafter this good would pay
+    probe_acceptance: float = 0.75  # probe / explore only where a drafter this good would gain on_above
 
 
 @dataclasses.dataclass
