@@ -18,10 +18,11 @@ of the repeats, which is the noise the claim is judged against), mean inter-toke
 time to first token per class, mean accepted length, and (JSON) every decision about
 speculation with its reason; per point: rules / max(always, never) and rules / never
 throughput, as a ratio of the medians and as the median of the ratios within each repeat
-("paired": the modes of one repeat ran back to back, so the machine's slow drift cancels). The claim under test: rules >= the better fixed mode within noise, and never
-below 0.97x plain. The scheduler is driven in-process (no HTTP), so the figures measure the
-scheduling rules, not the HTTP stack. Prompts: the batch class takes the first suite (code:
-HumanEval), the interactive class the second (chat: MT-Bench), greedy.
+("paired": the modes of one repeat ran back to back, so the machine's slow drift cancels). The
+claim under test: rules >= the better fixed mode within noise, and never below 0.97x plain.
+The scheduler is driven in-process (no HTTP), so the figures measure the scheduling rules, not
+the HTTP stack. Prompts: the batch class takes the first suite (code: HumanEval), the
+interactive class the second (chat: MT-Bench), greedy.
 """
 
 from __future__ import annotations
