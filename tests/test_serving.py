@@ -347,6 +347,16 @@ def test_step_costs_live_calibration_changes_the_decision():
     fresh = StepCosts({1: {0: 1.0, 3: 1.3}}, "warm-up")
     fresh.observe(1, 3, seconds=16.0, steps=8, verify_steps=8)  # one chunk: shrunk towards the table
     assert 1.0 < fresh.scale(1, 3) < 16.0 / (8 * 1.3)
+    # A K run briefly at a bucket whose K=0 runs 1.3x slow is shrunk towards 1.3x, not towards 1:
+    # one probe that measured K=3 dearer than the table must not leave it looking cheaper.
+    slow = StepCosts({8: {0: 0.15, 3: 0.363}}, "warm-up")
+    for _ in range(10):
+        slow.observe(8, 0, seconds=8 * 0.15 * 1.3, steps=8, verify_steps=0)
+    before = slow.cost(8, 3) / slow.cost(8, 0)
+    assert before == pytest.approx(0.363 / 0.15)  # unrun: borrows K=0's calibration
+    slow.observe(8, 3, seconds=4 * 0.505, steps=4, verify_steps=4)  # measured 0.505 / 0.195 = 2.59
+    after = slow.cost(8, 3) / slow.cost(8, 0)
+    assert before < after < 0.505 / (0.15 * 1.3)
 
 
 def test_policy_prices_k_on_lowered_acceptance():

@@ -100,19 +100,29 @@ class StepCosts:
         return max(row[lo] + slope * (k - lo), 1e-9)
 
     def scale(self, b: int, k: int) -> float:
-        """Live calibration of (bucket, K): observed / predicted seconds, shrunk towards 1 by a
-        prior worth PRIOR_STEPS steps. A K never run at this bucket borrows the nearest K run
-        there (K > 0 first for K > 0): what the policy reads are ratios between K values at one
-        bucket, and a calibrated K against an uncalibrated one would skew them by however far
-        the machine has drifted since warm-up. Nothing run at the bucket: the table as it is."""
+        """Live calibration of (bucket, K): observed / predicted seconds, shrunk by a prior worth
+        PRIOR_STEPS steps towards what the bucket's nearest other run K says (K > 0 first for
+        K > 0), or towards 1 when nothing else ran there; K = 0, the reference every K is judged
+        against, is shrunk towards 1. A K never run at this bucket takes that neighbour's
+        calibration as it is. What the policy reads are ratios between K values at
+        one bucket: shrinking a briefly run K towards 1 while K = 0 is calibrated would skew
+        them by however far the machine has drifted since warm-up (one 4-step probe at 8 rows
+        that measured K=3 at 2.6 plain steps left it looking cheaper than before it ran: about
+        2.1 plain steps instead of the table's 2.4). Nothing run at the bucket: the table."""
         bucket = self._bucket(b)
-        seen = sorted((abs(kk - k) + (0.5 if k > 0 and kk == 0 else 0.0), kk)
-                      for (x, kk) in self._live if x == bucket)
-        if not seen:
-            return 1.0
-        obs, pred, steps = self._live[(bucket, seen[0][1])]
+        near = sorted((abs(kk - k) + (0.5 if k > 0 and kk == 0 else 0.0), kk)
+                      for (x, kk) in self._live if x == bucket and kk != k)
+        borrowed = self._shrunk(bucket, near[0][1], 1.0) if near else 1.0
+        if (bucket, k) not in self._live:
+            return borrowed
+        return self._shrunk(bucket, k, borrowed if k > 0 else 1.0)
+
+    def _shrunk(self, bucket: int, k: int, toward: float) -> float:
+        """Observed / predicted seconds of a (bucket, K) that ran, with PRIOR_STEPS steps at
+        `toward`."""
+        obs, pred, steps = self._live[(bucket, k)]
         prior = self.PRIOR_STEPS * pred / max(steps, 1e-9)
-        return (obs + prior) / (pred + prior)
+        return (obs + prior * toward) / (pred + prior)
 
     def cost(self, b: int, k: int) -> float:
         return self.base(b, k) * self.scale(b, k)
