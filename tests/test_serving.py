@@ -271,8 +271,9 @@ def test_exploration_measures_a_drafter_the_prior_undersells(engine, prompts):
     """Costs where the prior acceptance says speculation does not pay, a drafter that is in fact
     perfect: an exploration probe measures it and the policy switches to K > 0."""
     mon = MonitorConfig(min_steps=4, probe_steps=2, window_steps=16)
-    # prior (0.6 per position): MAL(3) 2.18 < 2.5, plain; a good drafter (0.75): 2.73 > 2.5, explore
-    sched = Scheduler(engine, config(step_costs={1: {0: 1.0, 3: 2.5}, 2: {0: 1.0, 3: 2.5}}, monitor=mon))
+    # prior (0.6 per position): MAL(3) 2.18 < 2.3, plain; a good drafter (0.75): 2.73 / 2.3 = 1.19
+    # >= probe_gain 1.15, explore
+    sched = Scheduler(engine, config(step_costs={1: {0: 1.0, 3: 2.3}, 2: {0: 1.0, 3: 2.3}}, monitor=mon))
     req = sched.submit(Request(prompts[0], SamplingParams(max_new_tokens=40, ignore_eos=True), "interactive"))
     drain(sched, [req])
     kinds = [d["kind"] for d in sched.log.recent()]
@@ -532,3 +533,6 @@ def test_policy_yaml_example_loads(tmp_path):
         load_config(str(bad))
     with pytest.raises(SpecjaxError, match="schedule uses K=3"):
         load_config(None, ks=[0, 2], policy="schedule", schedule=[{"max_batch": 4, "k": 3}])
+    assert cfg.monitor.probe_gain >= cfg.monitor.on_above
+    with pytest.raises(SpecjaxError, match="probe_gain >= on_above"):
+        ServingConfig(monitor=MonitorConfig(on_above=1.2, probe_gain=1.1)).validate()

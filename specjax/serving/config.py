@@ -29,7 +29,8 @@ class MonitorConfig:
     probe_backoff: float = 2.0  # each failed probe multiplies the interval between probes by this
     probe_every_max: int = 768  # ... up to this many steps
     prior_acceptance: float = 0.6  # per-position acceptance assumed before any measurement
-    probe_acceptance: float = 0.75  # probe / explore only where a drafter this good would gain on_above
+    probe_acceptance: float = 0.75  # probe / explore only where a drafter this good ...
+    probe_gain: float = 1.15  # ... would gain at least this (>= on_above)
 
 
 @dataclasses.dataclass
@@ -89,6 +90,8 @@ class ServingConfig:
             bad("monitor: window_steps, min_steps, probe_every, probe_steps must be >= 1")
         if not (0 < m.prior_acceptance <= 1 and 0 < m.probe_acceptance <= 1):
             bad("monitor: prior_acceptance and probe_acceptance must be in (0, 1]")
+        if m.probe_gain < m.on_above:
+            bad("monitor: need probe_gain >= on_above")
         if m.probe_backoff < 1 or m.probe_every_max < m.probe_every:
             bad("monitor: need probe_backoff >= 1 and probe_every_max >= probe_every")
         return self

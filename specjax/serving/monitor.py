@@ -27,10 +27,11 @@ the expected gain of K over plain decoding (policy.py). Fallback rules, per clas
   so no speculative step ever measured the drafter) gets an exploration probe every
   `probe_every` steps;
 * probes and exploration run only at batch sizes where a good drafter (per-position acceptance
-  `probe_acceptance`) would gain at least `on_above`, what a probe needs to switch speculation
-  on: a probe runs every row of the batch at K > 0, and at a batch size where verifying costs
-  about what even a good drafter returns, the measurement waits for a smaller batch (on this
-  CPU a probe at 8 rows cost 5-7% of a short run's throughput);
+  `probe_acceptance`) would gain at least `probe_gain` (>= `on_above`, what a probe needs to
+  switch speculation on): a probe runs every row of the batch at K > 0, and at a batch size
+  where verifying costs about what even a good drafter returns, the measurement waits for a
+  smaller batch. On this CPU, at 8 rows, where a good drafter would gain 1.04-1.13, probes cost
+  6-9% of a load point in 3 of 8 repeats (a 4-step K=2 probe: 500 ms steps against 200);
 * off -> on when a probe's expected gain is at least `on_above` (> off_below: hysteresis, so a
   class near the break-even point does not flap), or when rows of the class that ran in other
   classes' speculative chunks since the switch (the window is cleared at it) show that much.

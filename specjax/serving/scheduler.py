@@ -222,12 +222,12 @@ class Scheduler:
             est = {c: self.monitor.estimate(c, width) for c in LATENCY_CLASSES}
             spec_on = {c: self.monitor.spec_on(c) for c in LATENCY_CLASSES}
             d = self.policy.choose(self.bucket, rows, queued, est, spec_on, (), self.k)
-            # Probe and explore only where a good drafter would pay at this batch size, by the
-            # gain a probe needs to switch speculation on: a probe runs every row at K > 0, and
+            # Probe and explore only where a good drafter would pay at this batch size, by a
+            # margin (probe_gain, see monitor.py): a probe runs every row at K > 0, and
             # where the verify pass costs about what even a good drafter returns, the measurement
             # is better taken when the batch is smaller.
             good = Estimate(1.0, [self.cfg.monitor.probe_acceptance] * width, 0)
-            cheap = self.policy.best_gain(good, self.bucket)[0] >= self.cfg.monitor.on_above
+            cheap = self.policy.best_gain(good, self.bucket)[0] >= self.cfg.monitor.probe_gain
             new = tuple(c for c in LATENCY_CLASSES
                         if rows.get(c) and cheap and self.monitor.probe_due(c, self.steps, d.k == 0))
             probing = tuple(c for c in LATENCY_CLASSES if rows.get(c) and self.monitor.probing(c)) + new
