@@ -104,11 +104,11 @@ class StepCosts:
         PRIOR_STEPS steps towards what the bucket's nearest other run K says (K > 0 first for
         K > 0), or towards 1 when nothing else ran there; K = 0, the reference every K is judged
         against, is shrunk towards 1. A K never run at this bucket takes that neighbour's
-        calibration as it is. What the policy reads are ratios between K values at
-        one bucket: shrinking a briefly run K towards 1 while K = 0 is calibrated would skew
-        them by however far the machine has drifted since warm-up (one 4-step probe at 8 rows
-        that measured K=3 at 2.6 plain steps left it looking cheaper than before it ran: about
-        2.1 plain steps instead of the table's 2.4). Nothing run at the bucket: the table."""
+        calibration as it is. What the policy reads are ratios between K values at one bucket:
+        shrinking a briefly run K towards 1 while K = 0 is calibrated would skew them by however
+        far the machine has drifted since warm-up (one 4-step probe at 8 rows that measured K=3
+        at 2.6 plain steps left it looking cheaper than before it ran: about 2.1 plain steps
+        instead of the table's 2.4). Nothing run at the bucket: the table."""
         bucket = self._bucket(b)
         near = sorted((abs(kk - k) + (0.5 if k > 0 and kk == 0 else 0.0), kk)
                       for (x, kk) in self._live if x == bucket and kk != k)
