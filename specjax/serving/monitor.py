@@ -92,7 +92,14 @@ class Sample:
 
 
 def _pad(x: np.ndarray, w: int) -> np.ndarray:
-    return np.pad(np.asarray(x, np.int64), (0, w - len(x)))
+    """x `[n]` zero-extended to `[w]` (w >= n); np.pad costs ~70 us a call, and the scheduler
+    adds a few dozen samples per chunk."""
+    x = np.asarray(x, np.int64)
+    if len(x) == w:
+        return x
+    out = np.zeros(w, np.int64)
+    out[: len(x)] = x
+    return out
 
 
 @dataclasses.dataclass
