@@ -268,6 +268,9 @@ class SlotEngine:
         state = self._timing_state(b, k)
         args = (self.params, self.dparams, state, jnp.int32(steps), jnp.asarray(False), jnp.asarray(k > 0))
         exe = self._get("chunk", _run_chunk, static, (2,), *args)
+        # The prefill and B inserts that built `state` were dispatched asynchronously: wait for
+        # them, so that their tail is not timed as part of the chunk.
+        jax.block_until_ready(args)
         t0 = time.perf_counter()
         state, n = exe(*args)
         n = int(n)
