@@ -173,3 +173,30 @@ def test_final_hidden_readers_reuse_a_richer_store(sharp_target, sharp_seqs, sha
     assert again.layers == LAYERS and os.path.getmtime(os.path.join(sharp_store.path, "final.npy")) == stamp
     other = extract_features(sharp_target, sharp_seqs[:4], (), sharp_store.path + "-other", 32)
     assert other.layers == () and len(other) == 4
+
+
+def test_simulated_path_mal_is_the_engines_greedy_mal(default_model, tmp_path):
+    """On the target's own greedy replies the simulator's `path_mal` (only the chain starts that
+    greedy decoding visits) forecasts what the engine measures, per position too; `sim_mal` (every
+    position a start) is the drafter's average quality. Real model, shipped EAGLE-3, ShareGPT."""
+    from specjax.drafters import make_drafter
+    from specjax.engine import Engine
+    from specjax.sampling import SamplingParams
+    from train.data import conversations, regen_sequences
+
+    k = 5
+    seqs = regen_sequences(default_model, conversations(6, seed=0, offset=5000), 96, 48, 8)[:4]
+    drafter = make_drafter("eagle3@0", k, default_model)
+    store = extract_features(default_model, seqs, drafter.hidden_layers, str(tmp_path / "eval"), 160, 4)
+    task = Eagle3Task(default_model, store.counts, eval_k=k)
+    task.d2t, task.graphdef = drafter.weights.d2t, drafter.weights.graphdef  # the shipped drafter's maps
+    sim = task.evaluate(drafter.weights.params, store)
+    rows = Engine(default_model).generate([ids[:p] for ids, p in seqs],
+                                          [SamplingParams(max_new_tokens=len(ids) - p) for ids, p in seqs],
+                                          drafter=drafter, eos_ids=default_model.config.eos_token_ids)
+    assert [r.token_ids for r in rows] == [ids[p:] for ids, p in seqs]
+    engine_mal = sum(len(r.token_ids) - 1 for r in rows) / sum(r.steps for r in rows)  # token 1: prefill
+    assert abs(sim["path_mal"] - engine_mal) < 0.06, (sim, engine_mal)
+    checked, accepted = np.sum([r.checked for r in rows], 0), np.sum([r.accepted for r in rows], 0)
+    assert abs(sim["path_per_position"][0] - accepted[0] / checked[0]) < 0.06
+    assert sim["path_steps"] > 0.9 * sum(r.steps for r in rows)

@@ -155,8 +155,10 @@ def run(recipe: Recipe, console: Console | None = None, stop_after: int | None =
         console.print(f"exported the drafter to {out} (use --drafter {recipe.drafter}:{out})")
     with open(os.path.join(recipe.out_dir, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=1)
-    console.print(f"simulated MAL {summary['final_eval']['sim_mal']:.2f}, per position "
-                  f"{summary['final_eval']['sim_per_position']}")
+    ev = summary["final_eval"]
+    console.print(f"simulated MAL {ev['sim_mal']:.2f} over every start, per position {ev['sim_per_position']}; "
+                  f"{ev['path_mal']:.2f} along greedy decoding's path (the engine's MAL on these prompts), "
+                  f"per position {ev['path_per_position']}")
     return summary
 
 

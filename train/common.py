@@ -133,14 +133,30 @@ def chain_counts(hits: list[jax.Array]) -> jax.Array:
 def simulate_store(sim, params, frozen, store, names: tuple[str, ...], k: int, max_rows: int = 64,
                    batch_size: int = 8) -> dict:
     """Run `sim(params, frozen, batch) -> (count [B, T], starts [B, T])` over the first
-    `max_rows` rows of a FeatureStore and summarise (see `acceptance_summary`)."""
+    `max_rows` rows of a FeatureStore and summarise (see `acceptance_summary`).
+
+    Two views of the same counts. `sim_*`: every reply position as a chain start, the drafter's
+    average quality. `path_*`: only the starts greedy decoding visits (the first reply token,
+    then start + accepted + 1, the position after the target's bonus token), so `path_mal` is the
+    MAL that `specjax generate` reaches on these prompts (the stored replies are the target's own
+    greedy text). Starts after a rejection are harder than the average position, so path_mal is
+    the lower and the honest forecast."""
     hist = np.zeros(k + 1, np.int64)  # starts with exactly a accepted drafts
+    path = np.zeros(k + 1, np.int64)  # the same, over the starts greedy decoding visits
     for s in range(0, min(len(store), max_rows), batch_size):
         b = store.batch(np.arange(s, min(s + batch_size, len(store), max_rows)))
         count, starts = sim(params, frozen, {n: jnp.asarray(b[n]) for n in names})
         count, starts = np.asarray(count), np.asarray(starts)
         hist += np.bincount(count[starts], minlength=k + 1)
-    return acceptance_summary(hist)
+        for c, ok in zip(count, starts):  # one row: walk the decoder's chain starts
+            t = int(np.argmax(ok)) if ok.any() else len(ok)
+            while t < len(ok) and ok[t]:
+                path[c[t]] += 1
+                t += int(c[t]) + 1
+    out = acceptance_summary(hist)
+    p = acceptance_summary(path)
+    out.update(path_mal=p["sim_mal"], path_per_position=p["sim_per_position"], path_steps=p["sim_starts"])
+    return out
 
 
 def acceptance_summary(hist) -> dict:
