@@ -223,7 +223,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     live = ~st.done
     last = jnp.take_along_axis(st.history, (st.hist_len - 1)[:, None], axis=1)  # [B, 1]
     if k > 0:
-        ctx = StepContext(st.history, st.hist_len, samp, k_draft, all_greedy)
+        ctx = StepContext(st.history, st.hist_len, samp, k_draft, all_greedy, live, force_verify)
         proposal, dstate = drafter.propose(dparams, st.draft_state, ctx)
         draft, q = proposal.draft, proposal.q  # [B, K], [B, K, V] | None
         tokens_in = jnp.concatenate([last, draft], axis=1)  # [B, K+1]

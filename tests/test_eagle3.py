@@ -133,6 +133,35 @@ def test_confidence_gate_is_lossless(target, weights, gate):
     assert checked == 0 if gate > 1 else checked > 0
 
 
+def test_gated_proposal_drafts_past_the_first_token_only_when_a_verify_will_run(target, weights):
+    """The engine verifies iff force_verify or some live row is active; otherwise a gated drafter
+    skips the K - 1 drafter steps (their drafts would be discarded: the drafter's cache stays
+    untouched) and repeats draft 1. Draft 1 is always computed."""
+    from specjax.drafters.base import StepContext
+    from specjax.drafters.eagle3 import Eagle3State
+
+    b, k = 2, 4
+    st = Eagle3State(weights.module().new_cache(b, 32).with_lengths(jnp.array([5, 7])),
+                     jnp.asarray(np.random.RandomState(5).randn(b, target.config.hidden_size), jnp.float32))
+    hist, key = jnp.zeros((b, 32), jnp.int32), jax.random.PRNGKey(0)
+
+    def propose(gate, live, force=False):
+        d = Eagle3Drafter(k, weights, target, min_confidence=gate)
+        ctx = StepContext(hist, jnp.array([6, 8]), None, key, True, live, force)
+        prop, new = d.propose(d.params(), st, ctx)
+        stepped = any(not np.array_equal(a, c) for a, c in zip(jax.tree.leaves(new.cache), jax.tree.leaves(st.cache)))
+        return np.asarray(prop.draft), stepped
+
+    full, stepped = propose(0.0, jnp.array([True, True]))  # ungated: always the whole chain
+    assert stepped
+    everyone = 1e-9  # every row active
+    for live, force in (([False, True], False), ([False, False], True), (None, False)):  # None: who is live unknown
+        draft, stepped = propose(everyone, None if live is None else jnp.array(live), force)
+        assert stepped and (draft == full).all()
+    draft, stepped = propose(everyone, jnp.array([False, False]))  # no live row: no verify pass
+    assert not stepped and (draft == full[:, :1]).all()
+
+
 def test_sampled_run_is_valid(target, weights):
     engine = Engine(target)
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=16, seed=1)] * 2

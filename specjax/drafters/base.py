@@ -57,6 +57,11 @@ class StepContext:
     sampling: SamplingArrays
     key: jax.Array
     all_greedy: bool = struct.field(pytree_node=False)
+    # What the engine verifies: a step runs the (K+1)-token pass iff `force_verify` or some live
+    # row's proposal is active. A gated drafter may stop drafting early when it sees the pass will
+    # not run (its remaining drafts would be thrown away). None: unknown (e.g. timing propose alone).
+    live: Any = None  # [B] bool
+    force_verify: Any = False  # bool or traced [] bool
 
 
 @struct.dataclass

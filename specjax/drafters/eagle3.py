@@ -270,22 +270,43 @@ class Eagle3Drafter(Drafter):
     def propose(self, dparams, st: Eagle3State, ctx: StepContext):
         net = nnx.merge(self.weights.graphdef, dparams["net"])
         keys = jax.random.split(ctx.key, self.num_draft)
-        cache, g = st.cache, st.g_last
-        drafts, qs, active = [], [], None
-        for i in range(self.num_draft):  # K is small and static: unrolled
-            if i > 0:  # position m + i - 1: embed(d_i) with the drafter's own feature
+        logits = net.logits(st.g_last)  # [B, N]
+        d1, q1 = self._draft_token(dparams, logits, keys[0], ctx)
+        d1 = d1.astype(jnp.int32)
+        active = None
+        if self.min_confidence > 0:
+            conf = jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1)  # [B]
+            active = conf >= self.min_confidence
+
+        def rest(cache):
+            """Drafts 2..K: each embeds the previous draft with the drafter's own feature."""
+            g, drafts, qs = st.g_last, [d1], [q1]
+            for i in range(1, self.num_draft):  # K is small and static: unrolled; position m + i - 1
                 emb = jnp.take(dparams["embed"], drafts[-1], axis=0)[:, None].astype(g.dtype)  # [B, 1, D]
                 g1, cache = net.step(emb, g[:, None], cache)
                 cache, g = cache.advance(1), g1[:, 0]
-            logits = net.logits(g)  # [B, N]
-            if i == 0 and self.min_confidence > 0:
-                conf = jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1)  # [B]
-                active = conf >= self.min_confidence
-            tok, q = self._draft_token(dparams, logits, keys[i], ctx)
-            drafts.append(tok.astype(jnp.int32))
-            qs.append(q)
-        draft = jnp.stack(drafts, axis=1)  # [B, K]
-        q = None if ctx.all_greedy else jnp.stack(qs, axis=1)  # [B, K, V]
+                tok, q = self._draft_token(dparams, net.logits(g), keys[i], ctx)
+                drafts.append(tok.astype(jnp.int32))
+                qs.append(q)
+            q = None if ctx.all_greedy else jnp.stack(qs, axis=1)  # [B, K, V]
+            return jnp.stack(drafts, axis=1), q, cache  # [B, K]
+
+        def repeat_first(cache):
+            """No verify pass will run: drafts 2..K repeat draft 1 with a point-mass q (still a
+            valid proposal, so even a verify of it would stay lossless); no drafter steps."""
+            draft = jnp.repeat(d1[:, None], self.num_draft, axis=1)  # [B, K]
+            if ctx.all_greedy:
+                return draft, None, cache
+            point = jax.nn.one_hot(d1, q1.shape[-1], dtype=q1.dtype)[:, None]  # [B, 1, V]
+            q = jnp.concatenate([q1[:, None], jnp.repeat(point, self.num_draft - 1, axis=1)], axis=1)
+            return draft, q, cache
+
+        if active is not None and ctx.live is not None and self.num_draft > 1:
+            # Gated rows: most steps verify nothing, so skip the K - 1 drafter steps on those.
+            needed = jnp.any(active & ctx.live) | ctx.force_verify
+            draft, q, cache = jax.lax.cond(needed, rest, repeat_first, st.cache)
+        else:
+            draft, q, cache = rest(st.cache)
         # Scratch entries written past m are overwritten by commit; lengths go back to m.
         return Proposal(draft, q, active), st.replace(cache=cache.with_lengths(st.cache.lengths))
 
