@@ -210,10 +210,10 @@ class Eagle3State:
 
 
 # The confidence gate `make_drafter` uses on CPU, where a verify pass of K + 1 <= 8 tokens costs
-# 1.4-1.8x a plain step (docs/performance.md). Chosen from the acceptance simulator on held-out
-# replies with the shipped drafter (docs/drafters.md): always verifying, K = 5, estimates 0.97x;
-# gates 0.3 / 0.5 / 0.7 verify 59 / 33 / 19% of steps with MAL 1.96 / 2.25 / 2.58 on those,
-# estimating 1.11x / 1.15x / 1.15x. On GPU/TPU at small batch verifying is nearly free
+# 1.4-1.8x a plain step (docs/performance.md). Chosen by replaying gated greedy decoding on held-out
+# replies with the shipped drafter (docs/drafters.md, K = 5): always verifying estimates 0.88x;
+# gates 0.3 / 0.5 / 0.7 verify 57 / 31 / 17% of steps with MAL 1.87 / 2.23 / 2.53 on those,
+# estimating 1.00x / 1.07x / 1.07x. On GPU/TPU at small batch verifying is nearly free
 # (decoding is bound by reading the weights), so the gate is off there.
 CPU_MIN_CONFIDENCE = 0.5
 
