@@ -223,8 +223,9 @@ def test_first_call_decode_seconds_excludes_compile(model):
 
 
 @pytest.mark.xfail(strict=False, reason="since 2026-12-01 on this CI machine (also at 21132dc, which passed here the day "
-                   "before): collected/final hidden states of rows 0 and 2 differ up to 3e-4 of max while the last "
-                   "logits match exactly; under investigation (see the session 10 note)")
+                   "before): the final normed hidden differs at scattered positions (19, 36, 57 of row 0; 36 of row 2; "
+                   "not the chunk boundaries 16/32/48) where the random model's residual reaches ~1e5, rel 3e-4 of max; "
+                   "last logits match exactly. Looks like f32 rounding of differently shaped dots, not yet shown")
 def test_engine_prefill_in_chunks_equals_one_pass(model, monkeypatch):
     """A batch of long prompts is prefilled in chunks when one pass's scores would pass the
     budget: same cache, last logits, collected and final hidden states as one pass."""
