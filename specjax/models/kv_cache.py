@@ -60,7 +60,8 @@ def write_rows(buf: jax.Array, new: jax.Array, starts: jax.Array, axis: int = 1)
     """
 
     def one(b, n, s):
-        idx = tuple(s if d == axis - 1 else 0 for d in range(b.ndim))
+        zero = jnp.zeros((), s.dtype)  # one index dtype, also under jax_enable_x64
+        idx = tuple(s if d == axis - 1 else zero for d in range(b.ndim))
         return jax.lax.dynamic_update_slice(b, n.astype(b.dtype), idx)
 
     return jax.vmap(one)(buf, new, starts)
