@@ -139,9 +139,14 @@ def test_recipes_build_their_tasks(sharp_target):
     from train.mtp import MTPTask
 
     for kind, cls in (("mtp", MTPTask), ("draft", DraftDistillTask)):
-        r = load_recipe(os.path.join(os.path.dirname(__file__), "..", "configs", f"{kind}-smollm2.yaml"))
+        path = os.path.join(os.path.dirname(__file__), "..", "configs", f"{kind}-smollm2.yaml")
+        assert load_recipe(path).model["draft_vocab_size"] == 8192
+        r = load_recipe(path, ["model.draft_vocab_size=64"])  # this tiny target has 256 tokens
         assert r.drafter == kind and feature_layers(r, sharp_target) == ()
-        assert isinstance(make_task(r, sharp_target, None), cls)
+        task = make_task(r, sharp_target, np.arange(256))
+        assert isinstance(task, cls) and task.d2t.shape == (64,)
+        with pytest.raises(RecipeError, match="draft_vocab_size needs the training data's token counts"):
+            make_task(r, sharp_target, None)
     r = load_recipe(None, ["drafter=mtp", "out_dir=x", "data={}", "optim={}", "model.num_modules=2", "model.eval_k=3"])
     with pytest.raises(RecipeError, match="model section: eval_k must be 1..num_modules"):
         make_task(r, sharp_target, None)
@@ -166,3 +171,50 @@ def test_hf_assistant_export_matches_the_drafter(sharp_target, exported):
     m = ours.module()
     mine = np.asarray(m(jnp.asarray(ids), m.new_cache(1, len(ids[0])))[0])
     np.testing.assert_allclose(mine, theirs, atol=2e-4, rtol=1e-4)
+
+
+def test_draft_vocabulary_is_exported_forecast_and_lossless(sharp_target, sharp_seqs, sharp_store, trained, tmp_path):
+    """With `draft_vocab_size` the export carries `d2t` (the most frequent reply tokens), the drafter
+    loads it and drafts from those head rows only; greedy output still equals plain decoding and
+    the simulator's path MAL (restricted the same way) forecasts the engine's MAL on the target's
+    own greedy replies as well as it does for the unrestricted drafter."""
+    from specjax.drafters import checkpoint
+    from specjax.drafters.base import vocab_maps
+
+    _, params, _, _ = trained
+    task = DraftDistillTask(sharp_target, sharp_store.counts, num_layers=2, eval_k=3, loss_chunk=16,
+                            draft_vocab_size=48)
+    np.testing.assert_array_equal(np.asarray(task.d2t), vocab_maps(sharp_store.counts, 48)[0])
+    path = task.export(params, str(tmp_path / "d"), None, {"note": "test"})  # f32: the engine runs these params
+    assert os.path.isfile(os.path.join(path, checkpoint.VOCAB_FILE))
+    d = make_drafter(f"draft:{path}", 3, sharp_target)
+    np.testing.assert_array_equal(np.asarray(d.d2t), np.asarray(task.d2t))
+    sim = task.evaluate(params, sharp_store)
+    rows = Engine(sharp_target).generate([ids[:p] for ids, p in sharp_seqs],
+                                         [SamplingParams(max_new_tokens=len(ids) - p) for ids, p in sharp_seqs],
+                                         drafter=d)
+    assert [r.token_ids for r in rows] == [ids[p:] for ids, p in sharp_seqs]  # = plain greedy
+    engine_mal = sum(len(r.token_ids) - 1 for r in rows) / sum(r.steps for r in rows)
+    full = DraftDistillTask(sharp_target, num_layers=2, eval_k=3, loss_chunk=16).evaluate(params, sharp_store)
+    rows_full = Engine(sharp_target).generate([ids[:p] for ids, p in sharp_seqs],
+                                              [SamplingParams(max_new_tokens=len(ids) - p) for ids, p in sharp_seqs],
+                                              drafter=DraftModelDrafter(3, d.model, sharp_target.config))
+    full_mal = sum(len(r.token_ids) - 1 for r in rows_full) / sum(r.steps for r in rows_full)
+    # 26-token replies: the engine's last step of each reply is cut by max_new_tokens, which the
+    # simulator does not model (~0.1 here, 0.01 on long replies); the same for both drafters
+    assert engine_mal > 1.1 and abs((sim["path_mal"] - engine_mal) - (full["path_mal"] - full_mal)) < 0.03, (
+        sim["path_mal"], engine_mal, full["path_mal"], full_mal)
+    assert abs(sim["path_mal"] - full["path_mal"]) > 0.05  # the restriction is what was simulated
+
+
+@pytest.mark.parametrize("d2t, message", [(np.array([5, 3, 9]), "ascending unique"),
+                                          (np.array([1, 2, 256]), "below 256")])
+def test_bad_draft_vocabulary_is_one_line(sharp_target, exported, tmp_path, d2t, message):
+    import shutil
+
+    from specjax.drafters.checkpoint import save_draft_vocab
+
+    path = shutil.copytree(exported, tmp_path / "d")
+    save_draft_vocab(str(path), d2t)
+    with pytest.raises(DrafterError, match=message):
+        make_drafter(f"draft:{path}", 3, sharp_target)

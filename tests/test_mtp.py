@@ -209,3 +209,29 @@ def test_missing_config_key_and_bad_checkpoints(weights, sharp_target, tmp_path)
         fh.truncate(os.path.getsize(w) // 2)
     with pytest.raises(DrafterError, match="truncated"):
         make_drafter(f"mtp:{path}", 2, sharp_target)
+
+
+def test_draft_vocabulary_export_and_greedy_lossless(sharp_target, sharp_store, trained, tmp_path):
+    """With `draft_vocab_size` the heads draft from the most frequent reply tokens' head rows
+    only (the export carries `d2t`); greedy output equals plain decoding, sampling stays valid."""
+    from specjax.drafters.checkpoint import VOCAB_FILE
+
+    _, params, _, _ = trained
+    task = MTPTask(sharp_target, sharp_store.counts, num_modules=DEPTH, intermediate_size=96, loss_chunk=16,
+                   draft_vocab_size=48)
+    path = task.export(params, str(tmp_path / "mtp"), None, {"note": "test"})
+    assert os.path.isfile(os.path.join(path, VOCAB_FILE))
+    d = make_drafter(f"mtp:{path}", 3, sharp_target)
+    assert d.d2t is not None and d.d2t.shape == (48,)
+    sim = task.evaluate(params, sharp_store)
+    engine = Engine(sharp_target)
+    rng = np.random.RandomState(4)
+    prompts = [rng.randint(0, 256, n).tolist() for n in (5, 11, 1)]
+    sp = [SamplingParams(max_new_tokens=24)] * 3
+    plain = [r.token_ids for r in engine.generate(prompts, sp)]
+    rows = engine.generate(prompts, sp, drafter=d)
+    assert [r.token_ids for r in rows] == plain
+    assert sim["sim_mal"] > 1.0 and sum(sum(r.accepted) for r in rows) > 0
+    sampled = engine.generate(prompts[:2], [SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=12, seed=1)] * 2,
+                              drafter=d)
+    assert all(len(r.token_ids) == 12 for r in sampled)

@@ -26,7 +26,9 @@ N_ROWS = 16_000
 PROMPT = [3, 7, 3, 7, 3]
 SETTINGS = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=1),
             SamplingParams(temperature=0.7, top_k=6, top_p=0.9, max_new_tokens=3, seed=2)]
-ALPHA = 1e-3 / (2 * len(SETTINGS) * 2)
+WHICH = ["draft_model", "draft_vocab", "ngram"]
+ALPHA = 1e-3 / (2 * len(SETTINGS) * len(WHICH))
+DRAFT_VOCAB = np.array([0, 2, 3, 5, 7, 8, 11, 14])  # draft tokens: half the vocabulary
 
 
 def sharpen(model, scale=4.0):
@@ -69,12 +71,17 @@ def exact_law(model, prompt, sp: SamplingParams, n_tokens: int):
     return law
 
 
-@pytest.mark.parametrize("which", ["draft_model", "ngram"])
+@pytest.mark.parametrize("which", WHICH)
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_sampled_speculative_output_has_target_law(models, which, setting):
+    """`draft_vocab`: a draft model that proposes only from half the vocabulary (q = 0 elsewhere)."""
     target, draft = models
     sp = SETTINGS[setting]
-    drafter = DraftModelDrafter(2, draft, target.config) if which == "draft_model" else NgramDrafter(2, max_n=2)
+    if which == "ngram":
+        drafter = NgramDrafter(2, max_n=2)
+    else:
+        drafter = DraftModelDrafter(2, draft, target.config,
+                                    draft_vocab=DRAFT_VOCAB if which == "draft_vocab" else None)
     rows = Engine(target).generate([PROMPT] * N_ROWS, [sp] * N_ROWS, drafter=drafter)
     assert all(len(r.token_ids) == 3 for r in rows)
     law3 = exact_law(target, PROMPT, sp, 3)
@@ -94,7 +101,7 @@ def test_sampled_speculative_output_has_target_law(models, which, setting):
         third[path[2]] += pr
     p_third = g_test_pvalue(np.bincount([r.token_ids[2] for r in rows], minlength=V), third)
     assert min(p_joint, p_third) > ALPHA, (p_joint, p_third)
-    if which == "draft_model":  # drafts with soft q were actually accepted and rejected
+    if which != "ngram":  # drafts with soft q were actually accepted and rejected
         acc = sum(sum(r.accepted) for r in rows)
         chk = sum(sum(r.checked) for r in rows)
         assert 0 < acc < chk

@@ -137,7 +137,8 @@ def test_eagle3_state_survives_plain_chunks():
     """EAGLE-3's state does not depend on K and its commit runs in plain steps too: after chunks
     at K = 3 and K = 0, its cache and last feature equal those of a fresh prefill of the same
     history."""
-    from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_weights, vocab_maps
+    from specjax.drafters.base import vocab_maps
+    from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_weights
 
     t = random_model(tiny(num_layers=4), seed=1)
     d2t, _ = vocab_maps(np.random.RandomState(0).randint(0, 100, t.config.vocab_size), 64)

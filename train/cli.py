@@ -82,11 +82,11 @@ def make_task(recipe: Recipe, target, counts):
     elif recipe.drafter == "mtp":
         from train.mtp import MTPTask
 
-        build = lambda: MTPTask(target, **recipe.model)
+        build = lambda: MTPTask(target, counts, **recipe.model)
     elif recipe.drafter == "draft":
         from train.draft_model import DraftDistillTask
 
-        build = lambda: DraftDistillTask(target, **recipe.model)
+        build = lambda: DraftDistillTask(target, counts, **recipe.model)
     else:
         raise RecipeError(f"unknown drafter to train {recipe.drafter!r} (known: {', '.join(TASKS)})")
     try:

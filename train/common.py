@@ -169,3 +169,27 @@ def acceptance_summary(hist) -> dict:
     per_pos = [float(reach[i + 1] / reach[i]) if reach[i] else 0.0 for i in range(k)]
     return {"sim_mal": float((hist * np.arange(k + 1)).sum() / total + 1.0),
             "sim_per_position": [round(p, 4) for p in per_pos], "sim_starts": int(total)}
+
+
+def draft_vocab(counts, size: int, vocab_size: int):
+    """`d2t [N]` int32 (jnp) of the `size` most frequent reply tokens, or None for size 0 (the
+    drafter proposes over the whole vocabulary). MTP and the draft model use it to restrict the
+    head they draft with; they still train against the target's full distribution."""
+    if not size:
+        return None
+    if counts is None:
+        raise ValueError("draft_vocab_size needs the training data's token counts")
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"draft_vocab_size must be 0 (whole vocabulary) or 1..{vocab_size}, got {size}")
+    from specjax.drafters.base import vocab_maps
+
+    return jnp.asarray(vocab_maps(counts, size)[0])
+
+
+def save_draft_vocab_if_any(out_dir: str, d2t) -> str:
+    """Write `out_dir/draft_vocab.safetensors` when the task has a draft vocabulary."""
+    if d2t is not None:
+        from specjax.drafters.checkpoint import save_draft_vocab
+
+        save_draft_vocab(out_dir, np.asarray(d2t))
+    return out_dir

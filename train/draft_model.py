@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.llama import Llama
-from train.common import chain_counts, chunked_argmax, chunked_soft_ce, shift_left, simulate_store
+from train.common import (chain_counts, chunked_argmax, chunked_soft_ce, draft_vocab, save_draft_vocab_if_any,
+                          shift_left, simulate_store)
 
 # Target tables: embedding and (untied) LM head. Everything else is the draft's own.
 TABLES = nnx.Any(nnx.PathContains("embed"), nnx.PathContains("lm_head"))
@@ -48,12 +49,14 @@ def distill_loss(model: Llama, batch: dict, head: jax.Array, chunk: int = 32, po
     return ce[0] / count, {"top1": hits[0] / count}
 
 
-def simulate_acceptance(model: Llama, batch: dict, head: jax.Array, k: int, chunk: int = 32):
-    """Greedy chain acceptance of K drafts from every start m (see the module docstring).
+def simulate_acceptance(model: Llama, batch: dict, head: jax.Array, k: int, chunk: int = 32, d2t=None):
+    """Greedy chain acceptance of K drafts from every start m (see the module docstring). With a
+    draft vocabulary `d2t [N]`, `head` holds its rows `[N, D]` (what the drafter proposes from).
     Returns accepted counts `[B, T]` and the valid-start mask `[B, T]`."""
     tokens, mask, target_next = batch["tokens"], batch["mask"], batch["argmax"]  # [B, T] each
     t = tokens.shape[1]
     greedy = chunked_argmax(draft_hidden(model, tokens)[None], head, chunk)[0]  # [B, T]
+    greedy = greedy if d2t is None else jnp.take(d2t, greedy)  # target ids
     right = greedy == target_next  # [B, T]: the draft's token after x_p is the target's
     hits = [shift_left(right, i) for i in range(k)]  # draft i + 1 from start m: position m + i
     starts = mask & (jnp.arange(t) + k - 1 < t)[None]
@@ -65,8 +68,8 @@ class DraftDistillTask:
 
     batch_axes = {"tokens": 0, "mask": 0, "argmax": 0, "final": 0}
 
-    def __init__(self, target, num_layers: int = 3, eval_k: int = 5, loss_chunk: int = 32,
-                 loss_positions: int | None = None):
+    def __init__(self, target, counts=None, num_layers: int = 3, eval_k: int = 5, loss_chunk: int = 32,
+                 loss_positions: int | None = None, draft_vocab_size: int = 0):
         from specjax.models.loading.export import truncate_layers
 
         if not 1 <= num_layers <= target.config.num_layers:
@@ -78,6 +81,7 @@ class DraftDistillTask:
         # the target's own arrays (truncate_layers copied them): no second embedding in memory
         _, self.tables, _ = nnx.split(target.module(), TABLES, ...)
         self.head = target.module().head_weight()
+        self.d2t = draft_vocab(counts, draft_vocab_size, target.config.vocab_size)
 
     def init_params(self, seed: int):
         """The truncated target's layers and final norm (deterministic; `seed` is unused). A copy:
@@ -88,8 +92,10 @@ class DraftDistillTask:
         return nnx.merge(self.graphdef, frozen["tables"], params)
 
     def frozen(self) -> dict:
-        """Target tables the loss reads but never trains (jit arguments, not baked-in constants)."""
-        return {"tables": self.tables, "head": self.head}
+        """Target tables the loss reads but never trains (jit arguments, not baked-in constants);
+        `rows`: the head rows drafts are chosen from (all of them without a draft vocabulary)."""
+        rows = self.head if self.d2t is None else jnp.take(self.head, self.d2t, axis=0)
+        return {"tables": self.tables, "head": self.head, "rows": rows, "d2t": self.d2t}
 
     def loss(self, params, frozen, batch):
         return distill_loss(self.model(params, frozen), batch, frozen["head"], self.chunk, self.positions)
@@ -98,7 +104,8 @@ class DraftDistillTask:
         """Simulated greedy MAL and per-position acceptance (K = eval_k) on held-out rows."""
         k = self.eval_k
         if not hasattr(self, "_sim"):
-            self._sim = jax.jit(lambda p, f, b: simulate_acceptance(self.model(p, f), b, f["head"], k, self.chunk))
+            self._sim = jax.jit(lambda p, f, b: simulate_acceptance(self.model(p, f), b, f["rows"], k, self.chunk,
+                                                                    f["d2t"]))
         return simulate_store(self._sim, params, self.frozen(), store, ("tokens", "mask", "argmax", "final"), k,
                               max_rows, batch_size)
 
@@ -109,4 +116,5 @@ class DraftDistillTask:
         from specjax.drafters.draft_model import save_with_target_tables
 
         pure = jax.tree.map(np.asarray, nnx.to_pure_dict(params))
-        return save_with_target_tables(pure, self.cfg, self.target.config, out_dir, dtype, metadata)
+        save_with_target_tables(pure, self.cfg, self.target.config, out_dir, dtype, metadata)
+        return save_draft_vocab_if_any(out_dir, self.d2t)

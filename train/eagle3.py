@@ -131,7 +131,8 @@ class Eagle3Task:
 
     def __init__(self, target, counts, draft_vocab_size: int = 8192, target_layers=None, ttt_steps: int = 3,
                  decay: float = 0.8, eval_k: int = 5, intermediate_size: int | None = None):
-        from specjax.drafters.eagle3 import Eagle3Config, vocab_maps
+        from specjax.drafters.base import vocab_maps
+        from specjax.drafters.eagle3 import Eagle3Config
 
         self.target = target
         self.cfg = Eagle3Config.for_target(target.config, draft_vocab_size, target_layers, intermediate_size)

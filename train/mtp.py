@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.drafters.mtp import MTP, MTPConfig, MTPWeights, save
-from train.common import chain_counts, chunked_argmax, chunked_soft_ce, shift_left, shift_right, simulate_store
+from train.common import (chain_counts, chunked_argmax, chunked_soft_ce, draft_vocab, save_draft_vocab_if_any,
+                          shift_left, shift_right, simulate_store)
 
 
 def mtp_hidden(net: MTP, embed: jax.Array, tokens: jax.Array, final: jax.Array, depth: int) -> list[jax.Array]:
@@ -66,13 +67,16 @@ def mtp_loss(net: MTP, batch: dict, embed: jax.Array, head: jax.Array, weights, 
     return jnp.sum(w * per_depth) / jnp.sum(w), metrics
 
 
-def simulate_acceptance(net: MTP, batch: dict, embed: jax.Array, head: jax.Array, k: int, chunk: int = 32):
+def simulate_acceptance(net: MTP, batch: dict, embed: jax.Array, head: jax.Array, k: int, chunk: int = 32,
+                        d2t=None):
     """Greedy acceptance of K drafts from every start m, teacher forced (see the module docstring).
-    Returns accepted counts `[B, T]` and the valid-start mask `[B, T]`."""
+    With a draft vocabulary `d2t [N]`, `head` holds its rows `[N, D]` (what the drafter proposes
+    from). Returns accepted counts `[B, T]` and the valid-start mask `[B, T]`."""
     tokens, mask, target_next = batch["tokens"], batch["mask"], batch["argmax"]  # [B, T] each
     t = tokens.shape[1]
     outs = mtp_hidden(net, embed, tokens, batch["final"], k)
     greedy = chunked_argmax(jnp.stack([net.heads[j].norm(h) for j, h in enumerate(outs)]), head, chunk)  # [K, B, T]
+    greedy = greedy if d2t is None else jnp.take(d2t, greedy)  # target ids
     # draft j from start m: module j at m - 1 vs the target's greedy token after x_{m+j-1}
     hits = [shift_right(greedy[j - 1], 1) == shift_left(target_next, j - 1) for j in range(1, k + 1)]
     m = jnp.arange(t)
@@ -85,9 +89,9 @@ class MTPTask:
 
     batch_axes = {"tokens": 0, "mask": 0, "argmax": 0, "final": 0}
 
-    def __init__(self, target, num_modules: int = 3, intermediate_size: int | None = None,
+    def __init__(self, target, counts=None, num_modules: int = 3, intermediate_size: int | None = None,
                  depth_weights: list[float] | None = None, decay: float = 0.8, eval_k: int | None = None,
-                 loss_chunk: int = 32, loss_positions: int | None = None):
+                 loss_chunk: int = 32, loss_positions: int | None = None, draft_vocab_size: int = 0):
         self.cfg = MTPConfig.for_target(target.config, num_modules, intermediate_size)
         self.weights = list(depth_weights) if depth_weights else [decay**j for j in range(num_modules)]
         if len(self.weights) != num_modules:
@@ -98,6 +102,7 @@ class MTPTask:
         self.chunk, self.positions = loss_chunk, loss_positions
         m = target.module()
         self.embed, self.head = m.embed[...], m.head_weight()  # frozen target tables
+        self.d2t = draft_vocab(counts, draft_vocab_size, target.config.vocab_size)
         self.graphdef, _ = nnx.split(nnx.eval_shape(lambda: MTP(self.cfg, rngs=nnx.Rngs(0))))
 
     def init_params(self, seed: int):
@@ -109,7 +114,8 @@ class MTPTask:
 
     def frozen(self) -> dict:
         """Target tables the loss reads but never trains (jit arguments, not baked-in constants)."""
-        return {"embed": self.embed, "head": self.head}
+        rows = self.head if self.d2t is None else jnp.take(self.head, self.d2t, axis=0)  # drafts' head rows
+        return {"embed": self.embed, "head": self.head, "rows": rows, "d2t": self.d2t}
 
     def loss(self, params, frozen, batch):
         return mtp_loss(self.net(params), batch, frozen["embed"], frozen["head"], self.weights, self.chunk,
@@ -119,10 +125,11 @@ class MTPTask:
         """Simulated greedy MAL and per-position acceptance (K = eval_k) on held-out rows."""
         k = self.eval_k
         if not hasattr(self, "_sim"):
-            self._sim = jax.jit(lambda p, f, b: simulate_acceptance(self.net(p), b, f["embed"], f["head"], k,
-                                                                    self.chunk))
+            self._sim = jax.jit(lambda p, f, b: simulate_acceptance(self.net(p), b, f["embed"], f["rows"], k,
+                                                                    self.chunk, f["d2t"]))
         return simulate_store(self._sim, params, self.frozen(), store, ("tokens", "mask", "argmax", "final"), k,
                               max_rows, batch_size)
 
     def export(self, params, out_dir: str, dtype=None, metadata=None) -> str:
-        return save(MTPWeights(self.cfg, self.graphdef, params), out_dir, dtype, metadata)
+        save(MTPWeights(self.cfg, self.graphdef, params), out_dir, dtype, metadata)
+        return save_draft_vocab_if_any(out_dir, self.d2t)

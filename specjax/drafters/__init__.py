@@ -70,15 +70,19 @@ def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = N
     if kind == "mtp":
         from specjax.drafters import mtp
 
-        weights = mtp.load(arg or _shipped_or_error("mtp"), dtype=target.dtype)
-        return mtp.MTPDrafter(num_draft or weights.config.num_modules, weights, target)
+        from specjax.drafters import checkpoint
+
+        path = arg or _shipped_or_error("mtp")
+        weights = mtp.load(path, dtype=target.dtype)
+        vocab = checkpoint.load_draft_vocab(path, target.config.vocab_size)
+        return mtp.MTPDrafter(num_draft or weights.config.num_modules, weights, target, draft_vocab=vocab)
     k = num_draft or DEFAULT_NUM_DRAFT.get(kind, 5)
     if kind == "ngram":
         from specjax.drafters.ngram import NgramDrafter
 
         return NgramDrafter(k)
     if kind == "draft":
-        from specjax.drafters import draft_model
+        from specjax.drafters import checkpoint, draft_model
         from specjax.models.loading import load_model
 
         path = arg or _shipped_or_error("draft")
@@ -86,7 +90,8 @@ def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = N
             draft = draft_model.load_with_target_tables(path, target, dtype or str(target.dtype))
         else:
             draft = (load or load_model)(path, dtype or str(target.dtype))
-        return draft_model.DraftModelDrafter(k, draft, target.config)
+        vocab = checkpoint.load_draft_vocab(path, target.config.vocab_size) if os.path.isdir(path) else None
+        return draft_model.DraftModelDrafter(k, draft, target.config, draft_vocab=vocab)
     if kind == "eagle3":
         from specjax.drafters import eagle3
 

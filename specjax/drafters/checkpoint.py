@@ -21,6 +21,9 @@ from specjax.errors import DrafterError, ModelLoadError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+# Optional beside a draft model's or MTP's weights: `d2t [N]`, the target ids a drafter may
+# propose (its head is restricted to those rows; see base.draft_vocab_logits).
+VOCAB_FILE = "draft_vocab.safetensors"
 
 
 def save(out_dir: str, config: dict, params, extra: dict | None = None, dtype=None,
@@ -106,3 +109,30 @@ def check_target(pairs, source: str) -> None:
     for what, mine, theirs in pairs:
         if mine != theirs:
             raise DrafterError(f"{source} was trained for a target with {what} {mine}, but this target has {theirs}")
+
+
+def save_draft_vocab(out_dir: str, d2t) -> str:
+    from specjax.models.loading.safetensors_io import save_file
+
+    path = os.path.join(out_dir, VOCAB_FILE)
+    save_file({"d2t": np.asarray(d2t, np.int32)}, path)
+    return path
+
+
+def load_draft_vocab(path: str, vocab_size: int) -> np.ndarray | None:
+    """`d2t [N]` int32 from `path/draft_vocab.safetensors`, or None when the file is absent (the
+    drafter then proposes over the whole vocabulary). One-line DrafterErrors for a bad file."""
+    from specjax.models.loading.safetensors_io import SafetensorsFile
+
+    v_path = os.path.join(path, VOCAB_FILE)
+    if not os.path.isfile(v_path):
+        return None
+    try:
+        d2t = np.asarray(SafetensorsFile(v_path).get("d2t"))
+    except (ModelLoadError, OSError, ValueError, KeyError) as e:
+        raise DrafterError(f"{v_path}: unreadable draft vocabulary ({str(e).splitlines()[0]})") from None
+    ok = (d2t.ndim == 1 and d2t.size > 0 and np.issubdtype(d2t.dtype, np.integer) and d2t.min() >= 0
+          and d2t.max() < vocab_size and np.all(np.diff(d2t) > 0))
+    if not ok:
+        raise DrafterError(f"{v_path}: 'd2t' must be ascending unique target token ids below {vocab_size}")
+    return d2t.astype(np.int32)

@@ -35,12 +35,11 @@ import numpy as np
 from flax import nnx, struct
 
 from specjax.drafters import checkpoint
-from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext
+from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext, draft_vocab_token
 from specjax.errors import DrafterError
 from specjax.models.config import LlamaConfig
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import MLP, Attention, RMSNorm, linear, rope_tables
-from specjax.sampling import sample, target_probs
 
 KIND = "eagle3"
 
@@ -166,19 +165,6 @@ class Eagle3Weights:
         return nnx.merge(self.graphdef, self.params)
 
 
-def vocab_maps(counts: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Draft vocabulary = the `size` most frequent target tokens (ties: lower id first).
-
-    Returns `d2t [N]` (draft index -> target id, ascending target ids) and `t2d [V]` (target id ->
-    draft index, -1 outside the draft vocabulary); `t2d[d2t] == arange(N)`.
-    """
-    order = np.lexsort((np.arange(len(counts)), -np.asarray(counts)))[:size]
-    d2t = np.sort(order).astype(np.int32)
-    t2d = np.full(len(counts), -1, np.int32)
-    t2d[d2t] = np.arange(size, dtype=np.int32)
-    return d2t, t2d
-
-
 def init_weights(cfg: Eagle3Config, d2t: np.ndarray, seed: int = 0, dtype=jnp.float32) -> Eagle3Weights:
     graphdef, params = nnx.split(Eagle3(cfg, rngs=nnx.Rngs(seed), dtype=dtype))
     return Eagle3Weights(cfg, graphdef, params, jnp.asarray(d2t, jnp.int32), "random")
@@ -248,12 +234,8 @@ class Eagle3Drafter(Drafter):
 
     def _draft_token(self, dparams, logits, key, ctx):
         """Draft-vocab logits `[B, N]` -> target-vocab token `[B]` and q `[B, V]` (None if greedy)."""
-        d2t = dparams["d2t"]
-        if ctx.all_greedy:
-            return d2t[jnp.argmax(logits, axis=-1)], None
-        full = jnp.full((logits.shape[0], self.target.config.vocab_size), -jnp.inf, jnp.float32)
-        full = full.at[:, d2t].set(logits)  # [B, V]: tokens outside the draft vocabulary get q = 0
-        return sample(key, full, ctx.sampling), target_probs(full, ctx.sampling)
+        return draft_vocab_token(key, logits, dparams["d2t"], self.target.config.vocab_size, ctx.sampling,
+                                 ctx.all_greedy)
 
     def init(self, dparams, ctx: InitContext):
         net = nnx.merge(self.weights.graphdef, dparams["net"])

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from specjax.drafters import checkpoint
-from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext
+from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext, draft_vocab_token
 from specjax.errors import DrafterError
 from specjax.models.config import LlamaConfig
 from specjax.models.kv_cache import KVCache
@@ -203,7 +203,9 @@ class MTPDrafter(Drafter):
     name = "mtp"
     needs_final_hidden = True
 
-    def __init__(self, num_draft: int, weights: MTPWeights, target):
+    def __init__(self, num_draft: int, weights: MTPWeights, target, draft_vocab=None):
+        """`draft_vocab` (`d2t [N]`, optional): the target ids the modules may propose; the head
+        is then restricted to those rows (for SmolLM2 the full head is ~87% of a module's cost)."""
         super().__init__(num_draft)
         n = weights.config.num_modules
         source = f"MTP drafter {weights.source}".strip()
@@ -213,13 +215,15 @@ class MTPDrafter(Drafter):
         weights.config.check_target(target.config, source)
         self.weights, self.target = weights, target
         self.window = max(num_draft - 1, 1)  # W
+        self.d2t = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
 
     def cache_key(self):
-        return super().cache_key() + (id(self.weights),)
+        return super().cache_key() + (id(self.weights), id(self.d2t))
 
     def params(self):
         t = self.target.module()
-        return {"net": self.weights.params, "embed": t.embed[...], "head": t.head_weight()}
+        head = t.head_weight() if self.d2t is None else jnp.take(t.head_weight(), self.d2t, axis=0)  # [V|N, D]
+        return {"net": self.weights.params, "embed": t.embed[...], "head": head, "d2t": self.d2t}
 
     def _net(self, dparams) -> MTP:
         return nnx.merge(self.weights.graphdef, dparams["net"])
@@ -242,8 +246,9 @@ class MTPDrafter(Drafter):
 
     def draft_chain(self, dparams, st: MTPState, history: jax.Array, choose):
         """Drafts 1..K from the state. `choose(k, logits [B, V]) -> token [B]` picks draft k
-        (sampling in `propose`; the true tokens in the consistency test). Returns drafts `[B, K]`,
-        the K logits `[B, V]` and the cache with the window's scratch entries."""
+        (sampling in `propose`; the true tokens in the consistency test); with a draft vocabulary
+        the logits are `[B, N]` and `choose` returns target ids. Returns drafts `[B, K]`, the K
+        logits and the cache with the window's scratch entries."""
         net, k_max, w = self._net(dparams), self.num_draft, self.window
         c, m = st.cache.lengths, st.m  # [B] each
         pos = c[:, None] + jnp.arange(w)[None]  # [B, W] window positions
@@ -256,16 +261,28 @@ class MTPDrafter(Drafter):
             p = pos + k  # [B, W] token positions module k reads: committed, or drafts < k
             tok = jnp.where(p <= m[:, None], gather_rows(history, p), gather_rows(drafts, p - m[:, None] - 1))
             h, cache = net.run(k, jnp.take(dparams["embed"], tok, axis=0), h, cache, cos, sin)  # [B, W, D]
-            logits = net.logits(k, jnp.take_along_axis(h, read, axis=1)[:, 0], dparams["head"])  # [B, V]
+            logits = net.logits(k, jnp.take_along_axis(h, read, axis=1)[:, 0], dparams["head"])  # [B, V or N]
             drafts = drafts.at[:, k - 1].set(choose(k, logits).astype(jnp.int32))
             all_logits.append(logits)
         return drafts, all_logits, cache
 
     def propose(self, dparams, st: MTPState, ctx: StepContext):
         keys = jax.random.split(ctx.key, self.num_draft)
-        drafts, logits, cache = self.draft_chain(
-            dparams, st, ctx.history, lambda k, lg: sample(keys[k - 1], lg, ctx.sampling))
-        q = None if ctx.all_greedy else jnp.stack([target_probs(lg, ctx.sampling) for lg in logits], axis=1)
+        qs = []  # [B, V] per draft, None when greedy
+
+        def choose(k, logits):
+            if dparams["d2t"] is None:
+                tok, q = sample(keys[k - 1], logits, ctx.sampling), None
+                if not ctx.all_greedy:
+                    q = target_probs(logits, ctx.sampling)
+            else:
+                tok, q = draft_vocab_token(keys[k - 1], logits, dparams["d2t"], self.target.config.vocab_size,
+                                           ctx.sampling, ctx.all_greedy)
+            qs.append(q)
+            return tok
+
+        drafts, _, cache = self.draft_chain(dparams, st, ctx.history, choose)
+        q = None if ctx.all_greedy else jnp.stack(qs, axis=1)
         return Proposal(drafts, q), st.replace(cache=cache)  # [B, K], [B, K, V] | None
 
     def commit(self, dparams, st: MTPState, ctx: CommitContext) -> MTPState:
