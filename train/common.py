@@ -111,12 +111,15 @@ def chunked_soft_ce(draft: jax.Array, target: jax.Array, head: jax.Array, valid:
     return ce, hits
 
 
-def chunked_argmax(h: jax.Array, head: jax.Array, chunk: int = 32) -> jax.Array:
+def chunked_argmax(h: jax.Array, head: jax.Array, chunk: int = 32, d2t=None) -> jax.Array:
     """Greedy tokens of normed hidden states `[n, B, T, D]` under head `[V, D]` -> `[n, B, T]`
-    int32, a chunk of positions at a time (no `[n, B, T, V]` array)."""
+    int32, a chunk of positions at a time (no `[n, B, T, V]` array). With a draft vocabulary
+    `d2t [N]`, `head` holds its rows `[N, D]` (`head_rows`) and the tokens are mapped back to
+    target ids: what such a drafter proposes."""
     t = h.shape[2]
     out = jax.lax.map(lambda x: jnp.argmax(linear(head, x), axis=-1).astype(jnp.int32), _chunks(h, 2, chunk))
-    return jnp.moveaxis(out, 0, 2).reshape(h.shape[:2] + (-1,))[:, :, :t]  # [n, B, T]
+    out = jnp.moveaxis(out, 0, 2).reshape(h.shape[:2] + (-1,))[:, :, :t]  # [n, B, T]
+    return out if d2t is None else jnp.take(d2t, out)
 
 
 def chain_counts(hits: list[jax.Array]) -> jax.Array:

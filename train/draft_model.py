@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.drafters.base import head_rows
 from specjax.models.llama import Llama
 from train.common import (chain_counts, chunked_argmax, chunked_soft_ce, draft_vocab, save_draft_vocab_if_any,
                           shift_left, simulate_store)
@@ -55,8 +56,7 @@ def simulate_acceptance(model: Llama, batch: dict, head: jax.Array, k: int, chun
     Returns accepted counts `[B, T]` and the valid-start mask `[B, T]`."""
     tokens, mask, target_next = batch["tokens"], batch["mask"], batch["argmax"]  # [B, T] each
     t = tokens.shape[1]
-    greedy = chunked_argmax(draft_hidden(model, tokens)[None], head, chunk)[0]  # [B, T]
-    greedy = greedy if d2t is None else jnp.take(d2t, greedy)  # target ids
+    greedy = chunked_argmax(draft_hidden(model, tokens)[None], head, chunk, d2t)[0]  # [B, T] target ids
     right = greedy == target_next  # [B, T]: the draft's token after x_p is the target's
     hits = [shift_left(right, i) for i in range(k)]  # draft i + 1 from start m: position m + i
     starts = mask & (jnp.arange(t) + k - 1 < t)[None]
@@ -94,8 +94,7 @@ class DraftDistillTask:
     def frozen(self) -> dict:
         """Target tables the loss reads but never trains (jit arguments, not baked-in constants);
         `rows`: the head rows drafts are chosen from (all of them without a draft vocabulary)."""
-        rows = self.head if self.d2t is None else jnp.take(self.head, self.d2t, axis=0)
-        return {"tables": self.tables, "head": self.head, "rows": rows, "d2t": self.d2t}
+        return {"tables": self.tables, "head": self.head, "rows": head_rows(self.head, self.d2t), "d2t": self.d2t}
 
     def loss(self, params, frozen, batch):
         return distill_loss(self.model(params, frozen), batch, frozen["head"], self.chunk, self.positions)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.drafters.base import head_rows
 from specjax.drafters.mtp import MTP, MTPConfig, MTPWeights, save
 from train.common import (chain_counts, chunked_argmax, chunked_soft_ce, draft_vocab, save_draft_vocab_if_any,
                           shift_left, shift_right, simulate_store)
@@ -75,8 +76,8 @@ def simulate_acceptance(net: MTP, batch: dict, embed: jax.Array, head: jax.Array
     tokens, mask, target_next = batch["tokens"], batch["mask"], batch["argmax"]  # [B, T] each
     t = tokens.shape[1]
     outs = mtp_hidden(net, embed, tokens, batch["final"], k)
-    greedy = chunked_argmax(jnp.stack([net.heads[j].norm(h) for j, h in enumerate(outs)]), head, chunk)  # [K, B, T]
-    greedy = greedy if d2t is None else jnp.take(d2t, greedy)  # target ids
+    greedy = chunked_argmax(jnp.stack([net.heads[j].norm(h) for j, h in enumerate(outs)]), head, chunk,
+                            d2t)  # [K, B, T] target ids
     # draft j from start m: module j at m - 1 vs the target's greedy token after x_{m+j-1}
     hits = [shift_right(greedy[j - 1], 1) == shift_left(target_next, j - 1) for j in range(1, k + 1)]
     m = jnp.arange(t)
@@ -114,8 +115,7 @@ class MTPTask:
 
     def frozen(self) -> dict:
         """Target tables the loss reads but never trains (jit arguments, not baked-in constants)."""
-        rows = self.head if self.d2t is None else jnp.take(self.head, self.d2t, axis=0)  # drafts' head rows
-        return {"embed": self.embed, "head": self.head, "rows": rows, "d2t": self.d2t}
+        return {"embed": self.embed, "head": self.head, "rows": head_rows(self.head, self.d2t), "d2t": self.d2t}
 
     def loss(self, params, frozen, batch):
         return mtp_loss(self.net(params), batch, frozen["embed"], frozen["head"], self.weights, self.chunk,

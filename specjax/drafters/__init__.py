@@ -68,9 +68,7 @@ def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = N
             raise DrafterError("num_draft > 0 needs a drafter (--drafter ngram | draft:PATH)")
         return NoDrafter()
     if kind == "mtp":
-        from specjax.drafters import mtp
-
-        from specjax.drafters import checkpoint
+        from specjax.drafters import checkpoint, mtp
 
         path = arg or _shipped_or_error("mtp")
         weights = mtp.load(path, dtype=target.dtype)
@@ -90,7 +88,7 @@ def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = N
             draft = draft_model.load_with_target_tables(path, target, dtype or str(target.dtype))
         else:
             draft = (load or load_model)(path, dtype or str(target.dtype))
-        vocab = checkpoint.load_draft_vocab(path, target.config.vocab_size) if os.path.isdir(path) else None
+        vocab = checkpoint.load_draft_vocab(path, target.config.vocab_size)  # None for a GGUF file
         return draft_model.DraftModelDrafter(k, draft, target.config, draft_vocab=vocab)
     if kind == "eagle3":
         from specjax.drafters import eagle3

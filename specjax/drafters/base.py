@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.models.llama import linear
 from specjax.sampling import SamplingArrays, sample, target_probs
 
 
@@ -114,17 +113,21 @@ class NoDrafter(Drafter):
         super().__init__(0)
 
 
-def draft_vocab_logits(head_rows: jax.Array, h: jax.Array) -> jax.Array:
-    """Draft-vocabulary logits: head rows `head[d2t]` `[N, D]` x final normed hidden `[..., D]`
-    -> f32 `[..., N]`. With N = 8192 of SmolLM2's 49152 tokens this is a sixth of the full
-    head's product, which dominates a small drafter's cost (FR-Spec's observation)."""
-    return linear(head_rows, h).astype(jnp.float32)
+def head_rows(head: jax.Array, d2t) -> jax.Array:
+    """The LM-head rows a drafter drafts from: `head [V, D]` restricted to its draft vocabulary
+    `d2t [N]` -> `[N, D]`, or the whole head when `d2t` is None. With N = 8192 of SmolLM2's
+    49152 tokens the head product is a sixth of the full one, which dominates a small drafter's
+    cost (FR-Spec's observation)."""
+    return head if d2t is None else jnp.take(head, d2t, axis=0)
 
 
-def draft_vocab_token(key, logits: jax.Array, d2t: jax.Array, vocab_size: int, sampling, all_greedy: bool):
-    """Draft-vocabulary logits `[B, N]` -> target-vocabulary token `[B]` and q `[B, V]` (None when
-    all rows are greedy). Tokens outside the draft vocabulary get q = 0: a valid proposal, so
-    rejection sampling stays lossless; they are only never drafted."""
+def draft_token(key, logits: jax.Array, d2t, vocab_size: int, sampling, all_greedy: bool):
+    """Logits over the drafter's vocabulary (`[B, N]` for a draft vocabulary `d2t [N]`, `[B, V]`
+    when `d2t` is None) -> target-vocabulary token `[B]` and q `[B, V]` (None when all rows are
+    greedy). Tokens outside the draft vocabulary get q = 0: a valid proposal, so rejection
+    sampling stays lossless; they are only never drafted."""
+    if d2t is None:
+        return sample(key, logits, sampling), None if all_greedy else target_probs(logits, sampling)
     if all_greedy:
         return d2t[jnp.argmax(logits, axis=-1)], None
     full = jnp.full((logits.shape[0], vocab_size), -jnp.inf, jnp.float32)

@@ -22,7 +22,7 @@ from specjax.errors import DrafterError, ModelLoadError
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 # Optional beside a draft model's or MTP's weights: `d2t [N]`, the target ids a drafter may
-# propose (its head is restricted to those rows; see base.draft_vocab_logits).
+# propose (its head is restricted to those rows; see base.head_rows).
 VOCAB_FILE = "draft_vocab.safetensors"
 
 

@@ -27,11 +27,10 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters import checkpoint
-from specjax.drafters.base import (CommitContext, Drafter, InitContext, Proposal, StepContext, draft_vocab_logits,
-                                   draft_vocab_token)
+from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext, draft_token, head_rows
 from specjax.errors import DrafterError, ModelLoadError
 from specjax.models.loading import Model
-from specjax.sampling import sample, target_probs
+from specjax.models.llama import linear
 
 TABLES_KEY = "specjax_draft"
 TARGET_FIELDS = ("target_hidden_size", "target_vocab_size", "target_num_layers")
@@ -143,9 +142,7 @@ class DraftModelDrafter(Drafter):
         return super().cache_key() + (id(self.model), id(self.d2t))
 
     def params(self):
-        if self.d2t is None:
-            return {"model": self.model.params, "head": None, "d2t": None}
-        head = jnp.take(self.model.module().head_weight(), self.d2t, axis=0)  # [N, D]
+        head = head_rows(self.model.module().head_weight(), self.d2t)  # [N or V, D]
         return {"model": self.model.params, "head": head, "d2t": self.d2t}
 
     def init(self, dparams, ctx: InitContext):
@@ -153,14 +150,6 @@ class DraftModelDrafter(Drafter):
         cache = m.new_cache(ctx.prompt.shape[0], ctx.cache_size)
         _, cache, _ = m.hidden(ctx.prompt, cache)
         return cache.with_lengths(ctx.hist_len - 2)
-
-    def _token(self, m, dparams, h, key, ctx: StepContext):
-        """Final normed hidden `[B, D]` -> draft token `[B]` and q `[B, V]` (None if greedy)."""
-        if dparams["d2t"] is None:
-            logits = m.logits(h)  # [B, V]
-            return sample(key, logits, ctx.sampling), None if ctx.all_greedy else target_probs(logits, ctx.sampling)
-        return draft_vocab_token(key, draft_vocab_logits(dparams["head"], h), dparams["d2t"],
-                                 self.model.config.vocab_size, ctx.sampling, ctx.all_greedy)
 
     def propose(self, dparams, cache, ctx: StepContext):
         m = nnx.merge(self.model.graphdef, dparams["model"])
@@ -178,7 +167,9 @@ class DraftModelDrafter(Drafter):
                 h1, cache, _ = m.hidden(drafts[-1][:, None], cache)  # [B, 1, D]
                 h = h1[:, 0]
                 cache = cache.advance(1)
-            tok, q = self._token(m, dparams, h, keys[i], ctx)  # [B], [B, V] | None
+            logits = linear(dparams["head"], h).astype(jnp.float32)  # [B, N or V]
+            tok, q = draft_token(keys[i], logits, dparams["d2t"], self.model.config.vocab_size, ctx.sampling,
+                                 ctx.all_greedy)  # [B], [B, V] | None
             drafts.append(tok.astype(jnp.int32))
             qs.append(q)
         draft = jnp.stack(drafts, axis=1)  # [B, K]

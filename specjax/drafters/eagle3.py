@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx, struct
 
 from specjax.drafters import checkpoint
-from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext, draft_vocab_token
+from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext, draft_token
 from specjax.errors import DrafterError
 from specjax.models.config import LlamaConfig
 from specjax.models.kv_cache import KVCache
@@ -234,7 +234,7 @@ class Eagle3Drafter(Drafter):
 
     def _draft_token(self, dparams, logits, key, ctx):
         """Draft-vocab logits `[B, N]` -> target-vocab token `[B]` and q `[B, V]` (None if greedy)."""
-        return draft_vocab_token(key, logits, dparams["d2t"], self.target.config.vocab_size, ctx.sampling,
+        return draft_token(key, logits, dparams["d2t"], self.target.config.vocab_size, ctx.sampling,
                                  ctx.all_greedy)
 
     def init(self, dparams, ctx: InitContext):

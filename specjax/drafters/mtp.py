@@ -48,12 +48,11 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from specjax.drafters import checkpoint
-from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext, draft_vocab_token
+from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext, draft_token, head_rows
 from specjax.errors import DrafterError
 from specjax.models.config import LlamaConfig
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import DecoderLayer, RMSNorm, linear, rope_tables
-from specjax.sampling import sample, target_probs
 
 KIND = "mtp"
 
@@ -222,7 +221,7 @@ class MTPDrafter(Drafter):
 
     def params(self):
         t = self.target.module()
-        head = t.head_weight() if self.d2t is None else jnp.take(t.head_weight(), self.d2t, axis=0)  # [V|N, D]
+        head = head_rows(t.head_weight(), self.d2t)  # [N or V, D]
         return {"net": self.weights.params, "embed": t.embed[...], "head": head, "d2t": self.d2t}
 
     def _net(self, dparams) -> MTP:
@@ -271,13 +270,8 @@ class MTPDrafter(Drafter):
         qs = []  # [B, V] per draft, None when greedy
 
         def choose(k, logits):
-            if dparams["d2t"] is None:
-                tok, q = sample(keys[k - 1], logits, ctx.sampling), None
-                if not ctx.all_greedy:
-                    q = target_probs(logits, ctx.sampling)
-            else:
-                tok, q = draft_vocab_token(keys[k - 1], logits, dparams["d2t"], self.target.config.vocab_size,
-                                           ctx.sampling, ctx.all_greedy)
+            tok, q = draft_token(keys[k - 1], logits, dparams["d2t"], self.target.config.vocab_size, ctx.sampling,
+                                 ctx.all_greedy)
             qs.append(q)
             return tok
 
