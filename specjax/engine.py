@@ -316,7 +316,9 @@ class Engine:
         return t, s
 
     def generate(self, prompt_ids: list[list[int]], params: list[SamplingParams], eos_ids=(),
-                 drafter: Drafter | None = None) -> list[RowOutput]:
+                 drafter: Drafter | None = None, max_new_cap: int | None = None) -> list[RowOutput]:
+        """`max_new_cap`: stop every row after this many tokens while compiling for the params'
+        `max_new_tokens` (a short probe that runs the code the full batch runs)."""
         drafter = drafter or NoDrafter()
         b = len(prompt_ids)
         lens = [len(p) for p in prompt_ids]
@@ -333,7 +335,8 @@ class Engine:
         all_greedy = all(p.greedy for p in params)
         key = jax.random.key(params[0].seed)
         prompt, prompt_len = jnp.asarray(prompt), jnp.asarray(lens, jnp.int32)
-        max_new_arr = jnp.asarray([p.max_new_tokens for p in params], jnp.int32)
+        cap = max_new if max_new_cap is None else max_new_cap
+        max_new_arr = jnp.asarray([min(p.max_new_tokens, cap) for p in params], jnp.int32)
         stop_arr = jnp.asarray(stop_arr)
         mp, dparams = self.model.params, drafter.params()
         if self.mesh is not None:

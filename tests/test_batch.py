@@ -352,11 +352,133 @@ def test_two_processes_over_loopback_with_a_restart(model_dir, job_input, refere
     assert read_rows(out) == rows
 
 
+# ---- speculation throttle (specjax/serving/batch_throttle.py) -----------------------------------
+
+
+def batch_of_line(model, inp: str) -> dict:
+    """id -> first input line of its batch (the throttle's batch key), from the job's own plan."""
+    from specjax.sampling import SamplingParams
+    from specjax.serving.batch import BatchConfig, parse_input, plan_batches, read_input, tokenize
+
+    cfg = BatchConfig(output="unused", input=inp)
+    rows = [tokenize(model, r, False) for r in parse_input(read_input(cfg), SamplingParams(max_new_tokens=MAX_NEW))]
+    return {r.id: str(b[0].line) for b, _ in plan_batches(rows, BATCH) for r in b}
+
+
+def test_auto_throttle_records_each_batch_k_and_resume_reuses_it(model, job_input, reference, tmp_path):
+    """`auto` (the default with a drafter): each class of batch (rows, greedy/sampled) is probed
+    once, each batch's K is written to OUTPUT.throttle.json before it runs and applied (the
+    rows' stats say which), greedy rows equal plain decoding. On a rerun the recorded K is
+    reused, not decided again: a batch whose recorded K is flipped reruns with the flipped K, and
+    an unflipped one reproduces the uninterrupted rows bit for bit, sampled rows too."""
+    from specjax.serving.batch import run_batch
+
+    out = tmp_path / "res.jsonl"
+    summary = run_batch(config(model, job_input, out, drafter="ngram", num_draft=3))
+    state_path = str(out) + ".throttle.json"
+    with open(state_path) as fh:
+        state = json.load(fh)
+    first = read_rows(out)
+    key_of = batch_of_line(model, job_input)
+    assert set(state["batches"]) == set(key_of.values()) and len(state["batches"]) == 4
+    assert set(state["probes"]) == {"4/greedy", "4/sampled"}
+    assert set(state["batches"].values()) <= {0, 3}
+    for r in first:
+        assert r["stats"]["num_draft"] == state["batches"][key_of[r["id"]]], r["id"]
+    assert_same(first, reference, list(reference), greedy_only=True)  # lossless
+    assert set(summary["speculation"]) == {"4/greedy", "4/sampled"}
+    for cls, entry in summary["speculation"].items():
+        assert entry["expected_gain"] > 0 and entry["next_k"] in (0, 3), cls
+
+    sampled_ids = {r["id"] for r in job_rows() if "temperature" in r}
+    sampled_key = key_of["q12"]
+    flipped = min({key_of[r["id"]] for r in first if r["id"] not in sampled_ids}, key=int)  # a greedy batch
+    state["batches"][flipped] = 3 - state["batches"][flipped]
+    with open(state_path, "w") as fh:
+        json.dump(state, fh)
+    redo = {flipped, sampled_key}
+    with open(out, "w") as fh:  # the rows of two batches lost
+        fh.writelines(json.dumps(r) + "\n" for r in first if key_of[r["id"]] not in redo)
+    again = run_batch(config(model, job_input, out, drafter="ngram", num_draft=3))
+    assert again["written"] == sum(key_of[r["id"]] in redo for r in first)
+    rows = {r["id"]: r for r in read_rows(out)}
+    before = {r["id"]: r for r in first}
+    for i, r in rows.items():
+        assert r["stats"]["num_draft"] == state["batches"][key_of[i]], i
+        if key_of[i] == sampled_key:  # same K as before: the same samples
+            assert r["token_ids"] == before[i]["token_ids"], i
+    assert_same(list(rows.values()), reference, list(reference), greedy_only=True)
+    with open(state_path) as fh:
+        assert json.load(fh)["batches"][flipped] == state["batches"][flipped]
+
+
+@pytest.mark.parametrize("policy, expect", [("2", {4: 0, 1: 3}), ("4", {4: 3, 1: 3}), ("0", {4: 0, 1: 0}),
+                                            ("off", {4: 3, 1: 3})])
+def test_static_throttle_by_batch_rows(model, greedy_input, reference, tmp_path, policy, expect):
+    """`--spec-throttle N`: speculate in batches of at most N rows (5 rows: a batch of 4 and one
+    of 1); `off`: in every batch. Greedy rows equal plain decoding either way; no state file."""
+    from specjax.serving.batch import run_batch
+
+    with open(greedy_input) as fh:
+        inp = write_jsonl(tmp_path / "in.jsonl", [json.loads(line) for line in fh][:5])
+    out = tmp_path / "res.jsonl"
+    run_batch(config(model, inp, out, drafter="ngram", num_draft=3, spec_throttle=policy))
+    rows = read_rows(out)
+    key_of = batch_of_line(model, inp)
+    sizes = collections.Counter(key_of.values())
+    for r in rows:
+        assert r["stats"]["num_draft"] == expect[sizes[key_of[r["id"]]]], (policy, r["id"])
+    assert_same(rows, reference, [r["id"] for r in rows])
+    assert not os.path.exists(str(out) + ".throttle.json")
+
+
+def test_throttle_decisions_from_figures(tmp_path):
+    """The `auto` arithmetic on fixed figures: gain = MAL x plain step / speculative step; a class
+    the probe switched on is switched off by a poor batch and stays off; the state file reloads
+    to the same decisions, another drafter or K ignores it, a corrupt one is a one-line error."""
+    from specjax.errors import SpecjaxError
+    from specjax.serving.batch_throttle import BatchThrottle, Figures, expected_gain, parse_policy
+
+    plain = Figures(iterations=16, seconds=1.6, row_steps=64, step_tokens=64)  # 0.1 s per step
+    good = Figures(iterations=8, seconds=1.2, row_steps=32, step_tokens=64)  # 0.15 s, MAL 2
+    assert expected_gain(plain, good) == pytest.approx(2.0 * 0.1 / 0.15)
+    assert expected_gain(plain, Figures()) is None
+
+    path = str(tmp_path / "out.jsonl.throttle.json")
+    t = BatchThrottle("auto", 3, "ngram", path)
+    assert t.needs_probe("1", 4, True)
+    t.record_probe(4, True, good, plain)
+    assert not t.needs_probe("5", 4, True) and t.needs_probe("5", 4, False)
+    assert t.k_for("1", 4, True) == 3
+    t.record_batch("1", 3, Figures(iterations=100, seconds=25.0, row_steps=400, step_tokens=440))  # MAL 1.1
+    assert t.gain("4/greedy") < 1.05
+    assert t.k_for("9", 4, True) == 0
+    t.record_batch("9", 0, Figures(iterations=100, seconds=10.0, row_steps=400, step_tokens=400))
+    assert t.k_for("13", 4, True) == 0
+    assert t.k_for("1", 4, True) == 3  # a batch that ran keeps its K
+
+    again = BatchThrottle("auto", 3, "ngram", path)
+    assert again.batches == t.batches and again.gain("4/greedy") == pytest.approx(t.gain("4/greedy"))
+    assert again.summary()["4/greedy"]["speculative_batches"] == 1
+    other = BatchThrottle("auto", 5, "ngram", path)
+    assert other.batches == {} and other.needs_probe("1", 4, True)
+
+    with open(path, "w") as fh:
+        fh.write("{not json")
+    with pytest.raises(SpecjaxError, match="unreadable throttle state"):
+        BatchThrottle("auto", 3, "ngram", path)
+    for bad in ("fast", "-1", "1.5"):
+        with pytest.raises(SpecjaxError, match="--spec-throttle"):
+            parse_policy(bad)
+    assert parse_policy("AUTO") == "auto" and parse_policy(" 8 ") == 8
+
+
 # ---- CLI -----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", ["missing", "directory", "no_input", "both_inputs", "merge_incomplete",
-                                  "half_process_flags", "bad_batch_size", "mesh_syntax", "mesh_too_big"])
+                                  "half_process_flags", "bad_batch_size", "mesh_syntax", "mesh_too_big",
+                                  "bad_spec_throttle"])
 def test_cli_bad_input_one_line_exit_2(case, tmp_path, capsys):
     from specjax.cli import main
 
@@ -372,6 +494,7 @@ def test_cli_bad_input_one_line_exit_2(case, tmp_path, capsys):
         "bad_batch_size": ["--input", inp, "--batch-size", "0"],
         "mesh_syntax": ["--input", inp, "--mesh", "rows=2"],
         "mesh_too_big": ["--input", inp, "--mesh", "data=2,model=2"],  # this process has one device
+        "bad_spec_throttle": ["--input", inp, "--drafter", "ngram", "--spec-throttle", "fast"],
     }[case]
     assert main(["batch", "--output", out, *args]) == 2
     err = capsys.readouterr().err

@@ -15,6 +15,8 @@ nothing:
   batch with some rows done is run whole again and only its missing rows are written. Every row
   is therefore computed in the same batch, with the same shapes and random key, as in an
   uninterrupted run: resumed outputs equal uninterrupted ones bit for bit, sampled rows too.
+  Whether a batch speculates (`--spec-throttle`, batch_throttle.py) is recorded before it runs
+  and reused when it runs again.
 
 Bad rows (invalid JSON, no id, no prompt, duplicate id, a prompt over the context, invalid
 sampling values) go to `<output>.errors.jsonl` as `{"line", "id", "reason"}` and the job goes
@@ -42,6 +44,7 @@ from typing import Any
 
 from specjax.errors import SpecjaxError
 from specjax.serving import scaleout
+from specjax.serving.batch_throttle import PROBE_TOKENS, BatchThrottle, Figures, class_key, parse_policy
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "max_new_tokens", "seed")
 LATENCY_BATCH_SIZE = {"batch": 16, "interactive": 1}  # default --batch-size per latency class
@@ -76,6 +79,7 @@ class BatchConfig:
     dtype: str | None = None
     drafter: str | None = "none"
     num_draft: int = 0
+    spec_throttle: str | int = "auto"  # batch_throttle.py: auto | off | N (speculate up to N rows)
     sampling: Any = None  # default SamplingParams of rows
     batch_size: int | None = None  # None: from the latency class
     latency_class: str = "batch"
@@ -377,6 +381,7 @@ def check_paths(cfg: BatchConfig) -> None:
         raise SpecjaxError(f"--process-id must be in [0, {cfg.num_processes}), got {cfg.process_id}")
     if cfg.latency_class not in LATENCY_BATCH_SIZE:
         raise SpecjaxError(f"--latency-class must be one of {', '.join(LATENCY_BATCH_SIZE)}")
+    parse_policy(cfg.spec_throttle)
     if cfg.batch_size is not None and cfg.batch_size < 1:
         raise SpecjaxError(f"--batch-size must be >= 1, got {cfg.batch_size}")
 
@@ -402,9 +407,11 @@ def run_batch(cfg: BatchConfig) -> dict:
     sizes = scaleout.parse_mesh(cfg.mesh, len(jax.local_devices()))
 
     model = get_model(cfg.model, cfg.dtype)
-    get_drafter(cfg.drafter, cfg.num_draft, model)  # a bad drafter spec fails before any work
+    drafter = get_drafter(cfg.drafter, cfg.num_draft, model)  # a bad drafter spec fails before any work
     mesh = scaleout.make_mesh(sizes)
     model = scaleout.place_model(model, mesh)
+    throttle = BatchThrottle(cfg.spec_throttle, drafter.num_draft, cfg.drafter or "none",
+                             throttle_path(out_path))
     results = ResultsFile(out_path)  # repairs a torn last line before any row runs
 
     # Rows already written are tokenized too: their lengths place them in their batch.
@@ -417,14 +424,27 @@ def run_batch(cfg: BatchConfig) -> dict:
     meter = Meter(len(rows), already, cfg.progress, f"part {pid}/{n_proc}" if n_proc > 1 else "batch")
     data = sizes["data"] if mesh is not None else 1
     errors_fd = os.open(err_path, os.O_WRONLY | os.O_APPEND)
+    last_k: dict[str, int] = {}  # class -> K of its previous batch in this run (logs changes)
     try:
         for batch, size in plan_batches(rows, batch_size, data):
             todo = [r for r in batch if json.dumps(r.id) not in results.done]
             if not todo:
                 continue
             # The whole batch runs even when some rows are done, so every row gets exactly the
-            # result an uninterrupted run gives it; only the missing rows are written.
-            ran = generate_batch(batch, size, model, cfg, mesh)
+            # result an uninterrupted run gives it (with the K it ran with, batch_throttle.py);
+            # only the missing rows are written.
+            key, greedy = str(batch[0].line), batch[0].sampling.greedy
+            if throttle.needs_probe(key, size, greedy):
+                probe_class(throttle, batch, size, model, mesh, drafter)
+            k = throttle.k_for(key, size, greedy)
+            cls = class_key(size, greedy)
+            if last_k.setdefault(cls, k) != k:
+                log(throttle.describe(cls))
+                last_k[cls] = k
+            ran = generate_batch(batch, size, model, cfg, mesh, k)
+            figures = run_figures([res for _, res in ran])
+            if figures is not None:
+                throttle.record_batch(key, k, figures)
             meter.add_batch([res for _, res in ran])
             for r, res in ran:
                 if json.dumps(r.id) in results.done:
@@ -449,6 +469,8 @@ def run_batch(cfg: BatchConfig) -> dict:
         "mean_accepted_length": meter.mal, "prefill_seconds": meter.prefill_seconds,
         "decode_seconds": meter.decode_seconds,
     }
+    if throttle.path:
+        summary["speculation"] = throttle.summary()
     log(f"{meter.rows} rows written to {out_path} ({already} were already there), {len(bad)} bad rows "
         f"in {err_path}; {meter.tokens} tokens in {secs:.1f} s: {meter.rates()} (engine: prefill "
         f"{meter.prefill_seconds:.1f} s, decode {meter.decode_seconds:.1f} s)")
@@ -461,7 +483,50 @@ def _line(obj: dict) -> bytes:
     return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
 
 
-def generate_batch(batch, size, model, cfg, mesh) -> list[tuple[JobRow, Any]]:
+def throttle_path(out_path: str) -> str:
+    return f"{out_path}.throttle.json"
+
+
+def run_figures(results) -> Figures | None:
+    """Figures of one batch run from its rows' results; None when it did not run as one batch
+    (split after an out-of-memory error, or rows run alone after a bad one)."""
+    if not results or any(isinstance(r, SpecjaxError) for r in results):
+        return None
+    if len({r.stats.decode_seconds for r in results}) != 1:
+        return None
+    return Figures.of_rows([r.stats.steps for r in results], [len(r.token_ids) for r in results],
+                           results[0].stats.decode_seconds)
+
+
+def probe_class(throttle: BatchThrottle, batch, size, model, mesh, drafter) -> None:
+    """The `auto` throttle's two short runs (speculative, plain) on the first batch of a class,
+    at the batch's own shapes; a probe that fails leaves the class undecided (the batch then
+    runs as asked and reports its own error, if any)."""
+    from specjax.drafters import NoDrafter
+    from specjax.generate import get_engine
+
+    ids, params = batch_inputs(batch, size)
+    engine = get_engine(model, mesh)
+    figs = []
+    try:
+        for d in (drafter, NoDrafter()):
+            # A few steps first, untimed: the first loop steps after compiling run up to twice
+            # as slow (measured on CPU), which would misprice a 16-token probe.
+            rows = [engine.generate(ids, params, eos_ids=model.config.eos_token_ids, drafter=d,
+                                    max_new_cap=cap)[: len(batch)] for cap in (4, PROBE_TOKENS)][-1]
+            figs.append(Figures.of_rows([r.steps for r in rows], [len(r.token_ids) for r in rows],
+                                        rows[0].decode_seconds))
+    except SpecjaxError:
+        return
+    except Exception as e:  # device out of memory: the batch splits itself (generate_batch)
+        if not out_of_memory(e):
+            raise
+        return
+    throttle.record_probe(size, batch[0].sampling.greedy, *figs)
+    log(throttle.describe(class_key(size, batch[0].sampling.greedy)))
+
+
+def generate_batch(batch, size, model, cfg, mesh, k: int) -> list[tuple[JobRow, Any]]:
     """(row, GenerationResult) for each row. When the batch fails on bad input, its rows run one
     by one and those that fail alone get their SpecjaxError instead of a result. When it runs out
     of device memory, it runs as two halves (recursively, each padded to its own power of two), so
@@ -472,8 +537,9 @@ def generate_batch(batch, size, model, cfg, mesh) -> list[tuple[JobRow, Any]]:
 
     def gen(rows, n):
         ids, params = batch_inputs(rows, max(n, len(rows)))
-        out = specjax.generate(ids, model=model, sampling=params, drafter=cfg.drafter, num_draft=cfg.num_draft,
-                               mesh=mesh)
+        spec = k > 0
+        out = specjax.generate(ids, model=model, sampling=params, drafter=cfg.drafter if spec else "none",
+                               num_draft=cfg.num_draft if spec else 0, mesh=mesh)
         return out[: len(rows)]
 
     def run(rows, n):
