@@ -209,18 +209,32 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
         n, emitted = accept_step(model.logits(h), draft, q, k_accept)
         return n, emitted, cache, hidden, (h if drafter.needs_final_hidden else None)
 
+    def to_full_width(emitted, hidden, final):
+        """Outputs of a pass over T < K+1 positions padded to K+1 (emitted [B, T] with -1,
+        hidden [n, B, T, D] and final [B, T, D] with zeros): every branch returns one shape."""
+        extra = k + 1 - emitted.shape[1]
+        emitted = jnp.pad(emitted, ((0, 0), (0, extra)), constant_values=-1)  # [B, K+1]
+        hidden = None if hidden is None else jnp.pad(hidden, ((0, 0), (0, 0), (0, extra), (0, 0)))
+        final = None if final is None else jnp.pad(final, ((0, 0), (0, extra), (0, 0)))
+        return emitted, hidden, final
+
+    def verify_prefix(length, tokens_in, draft, q, cache, k_accept):
+        """verify() of the first `length` drafts only (a shorter, cheaper pass)."""
+        qp = None if q is None else q[:, :length]
+        n, emitted, cache, hidden, final = verify(tokens_in[:, : length + 1], draft[:, :length], qp, cache, k_accept)
+        emitted, hidden, final = to_full_width(emitted, hidden, final)
+        return n, emitted, cache, hidden, final
+
     def plain_step(tokens_in, draft, q, cache, k_accept):
         """One token without verification, padded to verify()'s shapes (drafts all rejected)."""
         h, cache, hidden = model.hidden(tokens_in[:, :1], cache, collect=collect)  # [B, 1, D]
         tok = sample(k_accept, model.logits(h[:, 0]), samp)  # [B]
-        emitted = jnp.concatenate([tok[:, None], jnp.full((b, k), -1, jnp.int32)], axis=1)  # [B, K+1]
-        pad = [(0, 0)] * (h.ndim - 2) + [(0, k), (0, 0)]  # T axis: 1 -> K+1
-        hidden = None if hidden is None else jnp.pad(hidden, [(0, 0)] + pad)
-        final = jnp.pad(h, pad) if drafter.needs_final_hidden else None
+        emitted, hidden, final = to_full_width(tok[:, None], hidden, h if drafter.needs_final_hidden else None)
         return jnp.zeros((b,), jnp.int32), emitted, cache, hidden, final
 
     key, k_draft, k_accept = jax.random.split(st.key, 3)
     live = ~st.done
+    width = jnp.asarray(k, jnp.int32)  # drafts checked this step (when verified)
     last = jnp.take_along_axis(st.history, (st.hist_len - 1)[:, None], axis=1)  # [B, 1]
     if k > 0:
         ctx = StepContext(st.history, st.hist_len, samp, k_draft, all_greedy, live, force_verify)
@@ -228,7 +242,19 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
         draft, q = proposal.draft, proposal.q  # [B, K], [B, K, V] | None
         tokens_in = jnp.concatenate([last, draft], axis=1)  # [B, K+1]
         operands = (tokens_in, draft, q, st.cache, k_accept)
-        if proposal.active is None:
+        lengths = drafter.verify_lengths  # static, ascending, last = K
+        if len(lengths) > 1:
+            # Verify the shortest listed prefix that holds every live active row's wanted length;
+            # a plain step when no row wants any (branch 0).
+            want = jnp.full((b,), k, jnp.int32) if proposal.length is None else proposal.length
+            active = live if proposal.active is None else proposal.active & live
+            need = jnp.where(force_verify, k, jnp.max(jnp.where(active, want, 0)))
+            branch = jnp.where(need > 0, 1 + jnp.searchsorted(jnp.asarray(lengths), need), 0)
+            branches = [plain_step] + [partial(verify_prefix, x) for x in lengths[:-1]] + [verify]
+            n, emitted, cache, hidden, final = jax.lax.switch(branch, branches, *operands)
+            verified = branch > 0
+            width = jnp.asarray((0, *lengths), jnp.int32)[branch]
+        elif proposal.active is None:
             verified = jnp.asarray(True)
             n, emitted, cache, hidden, final = verify(*operands)
         else:  # skip the (K+1)-token pass when no live row has drafts worth checking
@@ -257,7 +283,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
 
     dstate = drafter.commit(dparams, dstate, CommitContext(n, emitted, history, hist_len, live, hidden, final))
     pos = jnp.arange(w)[None]
-    checked = live[:, None] & verified & (pos <= n[:, None]) & (pos < k)  # [B, W]
+    checked = live[:, None] & verified & (pos <= n[:, None]) & (pos < jnp.minimum(width, k))  # [B, W]
     return st.replace(
         cache=cache,
         draft_state=dstate,

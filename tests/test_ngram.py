@@ -5,7 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.base import StepContext
+import pytest
+
+from specjax.drafters.base import Drafter, Proposal, StepContext
 from specjax.drafters.ngram import NgramDrafter
 from specjax.engine import Engine
 from specjax.models.config import tiny
@@ -13,7 +15,7 @@ from specjax.models.loading import random_model
 from specjax.sampling import SamplingArrays, SamplingParams
 
 
-def propose(drafter, rows):
+def propose(drafter, rows, full=False):
     s = 16
     hist = np.zeros((len(rows), s), np.int32)
     for i, r in enumerate(rows):
@@ -21,6 +23,8 @@ def propose(drafter, rows):
     ctx = StepContext(jnp.asarray(hist), jnp.asarray([len(r) for r in rows], jnp.int32),
                       SamplingArrays.from_params([SamplingParams()] * len(rows)), jax.random.key(0), True)
     proposal, _ = drafter.propose(None, (), ctx)
+    if full:
+        return proposal
     return np.asarray(proposal.draft), np.asarray(proposal.active)
 
 
@@ -48,3 +52,64 @@ def test_steps_without_active_rows_are_plain_steps():
     rows = engine.generate(prompts, params, drafter=NgramDrafter(3, active_n=99))
     assert [r.token_ids for r in rows] == plain
     assert all(sum(r.checked) == 0 and r.steps == 11 for r in rows)
+
+
+def test_long_matches_want_all_k_drafts_short_ones_three():
+    """K > 3: verify_lengths = (3, K); a row wants all K drafts only with a match of >= long_n
+    tokens (the longest match wins, up to max_n)."""
+    d = NgramDrafter(7, max_n=8, long_n=5)
+    assert d.verify_lengths == (3, 7)
+    assert NgramDrafter(3).verify_lengths == (3,) and NgramDrafter(2).verify_lengths == (2,)
+    p = propose(d, [
+        [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5],  # "1 2 3 4 5" (n = 5): long
+        [1, 2, 3, 9, 1, 2, 3],  # n = 3: short
+        [4, 5, 6, 7],  # no match: inactive
+    ], full=True)
+    assert np.asarray(p.length).tolist() == [7, 3, 3] and np.asarray(p.active).tolist() == [True, True, False]
+    assert np.asarray(p.draft)[0].tolist() == [9, 1, 2, 3, 4, 5, 9]
+
+
+class OracleDrafter(Drafter):
+    """Proposes the true greedy continuation (from a reference table) and wants `want[b]` drafts
+    of row b verified, with verify passes compiled for `lengths`."""
+
+    name = "oracle"
+
+    def __init__(self, ref: np.ndarray, k: int, lengths: tuple, want: list[int]):
+        super().__init__(k)
+        self.ref, self.lengths, self.want = jnp.asarray(ref), lengths, tuple(want)
+
+    @property
+    def verify_lengths(self):
+        return self.lengths
+
+    def cache_key(self):
+        return super().cache_key() + (id(self.ref), self.want)
+
+    def propose(self, dparams, state, ctx):
+        idx = ctx.hist_len[:, None] + jnp.arange(self.num_draft)[None]  # [B, K]
+        draft = jnp.take_along_axis(self.ref, jnp.clip(idx, 0, self.ref.shape[1] - 1), axis=1)
+        return Proposal(draft, length=jnp.asarray(self.want, jnp.int32)), state
+
+
+@pytest.mark.parametrize("want, per_step", [([2, 2], 3), ([6, 6], 7), ([2, 6], 7), ([1, 0], 3)])
+def test_engine_verifies_the_shortest_listed_prefix_rows_want(want, per_step):
+    """All drafts are right, so a step emits exactly (verified drafts + 1) tokens: rows wanting 2
+    get the 2-draft pass (3 tokens a step), a row wanting 6 makes the whole batch take the
+    6-draft pass, wanting 1 rounds up to the shortest listed length (2); output = plain."""
+    model = random_model(tiny(num_layers=2), seed=0)
+    engine = Engine(model)
+    prompts = [[1, 2, 3, 1, 2], [9, 8, 7]]
+    new = 22
+    params = [SamplingParams(max_new_tokens=new)] * 2
+    plain = [r.token_ids for r in engine.generate(prompts, params)]
+    ref = np.zeros((2, 64), np.int32)
+    for i, (p, t) in enumerate(zip(prompts, plain)):
+        ref[i, : len(p) + len(t)] = p + t
+    rows = engine.generate(prompts, params, drafter=OracleDrafter(ref, 6, (2, 6), want))
+    assert [r.token_ids for r in rows] == plain
+    for r in rows:
+        assert r.steps == -(-(new - 1) // per_step)  # the prefill emits the first token
+        # every step checks the whole pass (the last one may run past the reference's end)
+        assert all(c >= r.steps - 1 for c in r.checked[: per_step - 1]) and r.checked[0] == r.steps
+        assert sum(r.checked[per_step - 1 :]) == 0

@@ -26,7 +26,7 @@ N_ROWS = 16_000
 PROMPT = [3, 7, 3, 7, 3]
 SETTINGS = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=1),
             SamplingParams(temperature=0.7, top_k=6, top_p=0.9, max_new_tokens=3, seed=2)]
-WHICH = ["draft_model", "draft_vocab", "ngram"]
+WHICH = ["draft_model", "draft_vocab", "ngram", "ngram_prefix"]
 ALPHA = 1e-3 / (2 * len(SETTINGS) * len(WHICH))
 DRAFT_VOCAB = np.array([0, 2, 3, 5, 7, 8, 11, 14])  # draft tokens: half the vocabulary
 
@@ -74,11 +74,16 @@ def exact_law(model, prompt, sp: SamplingParams, n_tokens: int):
 @pytest.mark.parametrize("which", WHICH)
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_sampled_speculative_output_has_target_law(models, which, setting):
-    """`draft_vocab`: a draft model that proposes only from half the vocabulary (q = 0 elsewhere)."""
+    """`draft_vocab`: a draft model that proposes only from half the vocabulary (q = 0 elsewhere);
+    `ngram_prefix`: 5 drafts of which every row wants 3 verified (the engine's shorter verify
+    pass, `Drafter.verify_lengths` = (3, 5))."""
     target, draft = models
     sp = SETTINGS[setting]
     if which == "ngram":
         drafter = NgramDrafter(2, max_n=2)
+    elif which == "ngram_prefix":
+        drafter = NgramDrafter(5, max_n=2, active_n=1, long_n=99)
+        assert drafter.verify_lengths == (3, 5)
     else:
         drafter = DraftModelDrafter(2, draft, target.config,
                                     draft_vocab=DRAFT_VOCAB if which == "draft_vocab" else None)
@@ -101,7 +106,9 @@ def test_sampled_speculative_output_has_target_law(models, which, setting):
         third[path[2]] += pr
     p_third = g_test_pvalue(np.bincount([r.token_ids[2] for r in rows], minlength=V), third)
     assert min(p_joint, p_third) > ALPHA, (p_joint, p_third)
-    if which != "ngram":  # drafts with soft q were actually accepted and rejected
+    if which == "ngram_prefix":  # verified, never past the 3 drafts the rows wanted
+        assert sum(r.checked[0] for r in rows) > 0 and all(r.checked[3:] == [0, 0] for r in rows)
+    if not which.startswith("ngram"):  # drafts with soft q were actually accepted and rejected
         acc = sum(sum(r.accepted) for r in rows)
         chk = sum(sum(r.checked) for r in rows)
         assert 0 < acc < chk

@@ -10,8 +10,11 @@ three methods are pure functions of pytrees, traced into the engine's single `la
   (None means the drafts are deterministic, q one-hot, which is exact for rejection sampling),
   and optionally `active [B]`: whether the drafter believes in this row's drafts at all. When no
   live row is active, the engine skips verification and runs a plain one-token step, which costs
-  far less than checking K + 1 tokens (e.g. the n-gram drafter without a real match). Any draft
-  is lossless; `active` only decides what is worth the verify cost;
+  far less than checking K + 1 tokens (e.g. the n-gram drafter without a real match); and
+  optionally `length [B]`, how many leading drafts the row believes in, for drafters whose
+  `verify_lengths` lists several: the engine then verifies the shortest listed prefix that holds
+  every live active row's length (one compiled pass per listed length). Any draft, and any
+  prefix of it, is lossless; `active` and `length` only decide what is worth the verify cost;
 * `commit(dparams, state, ctx: CommitContext) -> state` after acceptance, e.g. to roll a draft
   KV cache back to the accepted prefix or to keep the target hidden states of accepted positions.
 
@@ -37,6 +40,7 @@ class Proposal:
     draft: jax.Array  # [B, K] int32
     q: Any = None  # [B, K, V] draft probabilities, or None for deterministic drafts
     active: Any = None  # [B] bool, or None: every row's drafts are worth verifying
+    length: Any = None  # [B] int32: how many leading drafts the row wants verified, or None: all K
 
 
 @struct.dataclass
@@ -89,7 +93,13 @@ class Drafter:
 
     def cache_key(self) -> tuple:
         """Everything static that changes the compiled code."""
-        return (type(self).__name__, self.num_draft)
+        return (type(self).__name__, self.num_draft, self.verify_lengths)
+
+    @property
+    def verify_lengths(self) -> tuple[int, ...]:
+        """Draft counts the engine may verify per step (ascending, the last = K); each gets its
+        own compiled verify pass and `Proposal.length` picks among them."""
+        return (self.num_draft,) if self.num_draft else ()
 
     def params(self) -> Any:
         return None
