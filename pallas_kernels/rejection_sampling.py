@@ -47,8 +47,14 @@ def _mix32(x):
 def hash_uniform(seed, pos, vocab):
     """U(0, 1) float32 (never 0 or 1) from uint32 seed, position and vocab index (broadcast)."""
     x = _mix32(seed.astype(jnp.uint32) ^ _mix32(pos.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)))
-    x = _mix32(x ^ vocab.astype(jnp.uint32))
-    return ((x >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+    return unit_float(_mix32(x ^ vocab.astype(jnp.uint32)))
+
+
+def unit_float(x):
+    """uint32 bits -> float32 in (0, 1), uniform on 2^23 midpoints. 23 bits: m + 0.5 is exact in
+    float32 for m < 2^23, so u <= 1 - 2^-24 < 1. (With 24 bits, m = 2^24 - 1 rounded to u = 1.0,
+    and `u * q < p` then rejected a draft with p = q.)"""
+    return ((x >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def _positions(k: int) -> int:
