@@ -234,7 +234,6 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
 
     key, k_draft, k_accept = jax.random.split(st.key, 3)
     live = ~st.done
-    width = jnp.asarray(k, jnp.int32)  # drafts checked this step (when verified)
     last = jnp.take_along_axis(st.history, (st.hist_len - 1)[:, None], axis=1)  # [B, 1]
     if k > 0:
         ctx = StepContext(st.history, st.hist_len, samp, k_draft, all_greedy, live, force_verify)
@@ -243,26 +242,23 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
         tokens_in = jnp.concatenate([last, draft], axis=1)  # [B, K+1]
         operands = (tokens_in, draft, q, st.cache, k_accept)
         lengths = drafter.verify_lengths  # static, ascending, last = K
-        if len(lengths) > 1:
+        if len(lengths) == 1 and proposal.active is None:
+            width = jnp.asarray(k, jnp.int32)  # drafts verified this step
+            n, emitted, cache, hidden, final = verify(*operands)
+        else:
             # Verify the shortest listed prefix that holds every live active row's wanted length;
-            # a plain step when no row wants any (branch 0).
+            # a plain one-token step when no live row is active (branch 0), which costs far less
+            # than the (K+1)-token pass (e.g. the n-gram drafter without a real match).
             want = jnp.full((b,), k, jnp.int32) if proposal.length is None else proposal.length
             active = live if proposal.active is None else proposal.active & live
             need = jnp.where(force_verify, k, jnp.max(jnp.where(active, want, 0)))
             branch = jnp.where(need > 0, 1 + jnp.searchsorted(jnp.asarray(lengths), need), 0)
             branches = [plain_step] + [partial(verify_prefix, x) for x in lengths[:-1]] + [verify]
             n, emitted, cache, hidden, final = jax.lax.switch(branch, branches, *operands)
-            verified = branch > 0
             width = jnp.asarray((0, *lengths), jnp.int32)[branch]
-        elif proposal.active is None:
-            verified = jnp.asarray(True)
-            n, emitted, cache, hidden, final = verify(*operands)
-        else:  # skip the (K+1)-token pass when no live row has drafts worth checking
-            verified = jnp.any(proposal.active & live) | force_verify
-            n, emitted, cache, hidden, final = jax.lax.cond(verified, verify, plain_step, *operands)
     else:
         draft, q, dstate = jnp.zeros((b, 0), jnp.int32), None, st.draft_state
-        verified = jnp.asarray(False)
+        width = jnp.asarray(0, jnp.int32)
         n, emitted, cache, hidden, final = verify(last, draft, q, st.cache, k_accept)
 
     # Truncate at the first stop token and at max_new; only live rows write.
@@ -283,7 +279,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
 
     dstate = drafter.commit(dparams, dstate, CommitContext(n, emitted, history, hist_len, live, hidden, final))
     pos = jnp.arange(w)[None]
-    checked = live[:, None] & verified & (pos <= n[:, None]) & (pos < jnp.minimum(width, k))  # [B, W]
+    checked = live[:, None] & (pos <= n[:, None]) & (pos < width)  # [B, W]
     return st.replace(
         cache=cache,
         draft_state=dstate,

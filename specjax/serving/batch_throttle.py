@@ -89,12 +89,17 @@ class Figures:
         return self.step_tokens / self.row_steps if self.row_steps else None
 
 
+def step_ratio(plain: Figures, spec: Figures) -> float | None:
+    """Seconds of a speculative loop step over a plain one, or None if unknown."""
+    c0, ck = plain.per_iteration, spec.per_iteration
+    return ck / c0 if c0 and ck else None
+
+
 def expected_gain(plain: Figures, spec: Figures) -> float | None:
-    """Throughput of speculation over plain decoding these figures predict, or None if unknown."""
-    c0, ck, mal = plain.per_iteration, spec.per_iteration, spec.mal
-    if c0 is None or ck is None or mal is None or ck <= 0:
-        return None
-    return mal * c0 / ck
+    """Throughput of speculation over plain decoding these figures predict, or None if unknown:
+    MAL x plain step / speculative step."""
+    ratio, mal = step_ratio(plain, spec), spec.mal
+    return mal / ratio if ratio and mal is not None else None
 
 
 class BatchThrottle:
@@ -201,9 +206,7 @@ class BatchThrottle:
             if figs:
                 plain, spec = figs
                 entry.update(expected_gain=expected_gain(plain, spec), mal=spec.mal,
-                             verify_step_over_plain=(spec.per_iteration / plain.per_iteration
-                                                     if spec.per_iteration and plain.per_iteration else None),
-                             next_k=self._decide(cls))
+                             verify_step_over_plain=step_ratio(plain, spec), next_k=self._decide(cls))
             out[cls] = entry
         return out
 
@@ -215,7 +218,7 @@ class BatchThrottle:
         plain, spec = figs
         g = expected_gain(plain, spec)
         k = self._decide(cls)
-        ratio = spec.per_iteration / plain.per_iteration if spec.per_iteration and plain.per_iteration else float("nan")
+        ratio = step_ratio(plain, spec)
         return (f"{mode} batches of {size} rows: {'speculate at K=' + str(k) if k else 'decode plainly'} "
                 f"(expected {g:.2f}x plain: MAL {spec.mal:.2f}, a speculative step costs {ratio:.2f} plain steps)"
                 if g is not None else f"{mode} batches of {size} rows: K={k}")
