@@ -59,8 +59,8 @@ def _soft_ce_chunk(dr, tg, head, w):
 
 
 def _soft_ce_chunk_fwd(dr, tg, head, w):
-    p = jax.nn.softmax(linear(head, tg).astype(jnp.float32), axis=-1)  # [B, C, V] target law
-    dl = linear(head, dr).astype(jnp.float32)  # [n, B, C, V]
+    p = jax.nn.softmax(linear(head, tg, jnp.float32), axis=-1)  # [B, C, V] target law
+    dl = linear(head, dr, jnp.float32)  # [n, B, C, V]
     logq = jax.nn.log_softmax(dl, axis=-1)
     ce = -jnp.sum(p * logq, axis=-1)  # [n, B, C]
     hit = jnp.argmax(dl, axis=-1) == jnp.argmax(p, axis=-1)  # [n, B, C]
@@ -117,7 +117,7 @@ def chunked_argmax(h: jax.Array, head: jax.Array, chunk: int = 32, d2t=None) -> 
     `d2t [N]`, `head` holds its rows `[N, D]` (`head_rows`) and the tokens are mapped back to
     target ids: what such a drafter proposes."""
     t = h.shape[2]
-    out = jax.lax.map(lambda x: jnp.argmax(linear(head, x), axis=-1).astype(jnp.int32), _chunks(h, 2, chunk))
+    out = jax.lax.map(lambda x: jnp.argmax(linear(head, x, jnp.float32), axis=-1).astype(jnp.int32), _chunks(h, 2, chunk))
     out = jnp.moveaxis(out, 0, 2).reshape(h.shape[:2] + (-1,))[:, :, :t]  # [n, B, T]
     return out if d2t is None else jnp.take(d2t, out)
 

@@ -71,7 +71,7 @@ def ttt_logits(net: Eagle3, emb: jax.Array, feats: jax.Array, steps: int) -> lis
 def target_draft_logits(final: jax.Array, head: jax.Array, d2t: jax.Array) -> jax.Array:
     """Target logits over the draft vocabulary: final normed hidden `[B, T, D]` x head rows
     `head[d2t]` `[N, D]` -> `[B, T, N]` f32."""
-    return linear(jnp.take(head, d2t, axis=0), final).astype(jnp.float32)
+    return linear(jnp.take(head, d2t, axis=0), final, jnp.float32)
 
 
 def ttt_loss(net: Eagle3, batch: dict, head: jax.Array, d2t: jax.Array, embed: jax.Array, steps: int,

@@ -167,7 +167,7 @@ class DraftModelDrafter(Drafter):
                 h1, cache, _ = m.hidden(drafts[-1][:, None], cache)  # [B, 1, D]
                 h = h1[:, 0]
                 cache = cache.advance(1)
-            logits = linear(dparams["head"], h).astype(jnp.float32)  # [B, N or V]
+            logits = linear(dparams["head"], h, jnp.float32)  # [B, N or V]
             tok, q = draft_token(keys[i], logits, dparams["d2t"], self.model.config.vocab_size, ctx.sampling,
                                  ctx.all_greedy)  # [B], [B, V] | None
             drafts.append(tok.astype(jnp.int32))

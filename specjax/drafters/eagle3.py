@@ -144,7 +144,7 @@ class Eagle3(nnx.Module):
 
     def logits(self, g: jax.Array) -> jax.Array:
         """g `[..., D]` -> f32 draft-vocab logits `[..., N]`."""
-        return linear(self.head[...], self.norm(g)).astype(jnp.float32)
+        return linear(self.head[...], self.norm(g), jnp.float32)
 
     def new_cache(self, batch: int, size: int) -> KVCache:
         c = self.cfg

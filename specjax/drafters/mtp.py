@@ -143,7 +143,7 @@ class MTP(nnx.Module):
 
     def logits(self, k: int, h: jax.Array, head: jax.Array) -> jax.Array:
         """Module k's output `[..., D]` -> f32 target-vocab logits `[..., V]` (head `[V, D]`)."""
-        return linear(head, self.heads[k - 1].norm(h)).astype(jnp.float32)
+        return linear(head, self.heads[k - 1].norm(h), jnp.float32)
 
     @property
     def dtype(self):

@@ -43,18 +43,27 @@ from specjax.models.kv_cache import KVCache, write_layer
 FEW_ROWS_MAX = 16
 
 
-def linear(w: jax.Array, x: jax.Array) -> jax.Array:
-    """`x [..., I] @ w[O, I]^T -> [..., O]`."""
+def linear(w: jax.Array, x: jax.Array, out_dtype=None) -> jax.Array:
+    """`x [..., I] @ w[O, I]^T -> [..., O]` in `out_dtype` (default: the weight's).
+
+    Both paths accumulate in f32 (the multiply-reduce upcasts inside its fusion rather than round
+    bf16 products before the sum). Logits ask for f32 output: bf16 logits (8-bit mantissa, an ulp
+    of 0.06 at 10) tie the top two tokens often. Row counts still change the summation order, so a
+    K + 1-row verify pass and a one-row plain step agree to rounding, not bit for bit (README,
+    "Lossless").
+    """
+    out = w.dtype if out_dtype is None else out_dtype
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(w.dtype)  # [M, I]
     rows = x2.shape[0]
     if 1 < rows <= FEW_ROWS_MAX and jax.default_backend() == "cpu":
         m = 1 << (rows - 1).bit_length()  # pad M to a power of two: 6 rows cost more than 8
-        xp = jnp.pad(x2, ((0, m - rows), (0, 0)))  # [M', I]
-        y = jnp.sum(w[None, :, :] * xp[:, None, :], axis=-1)[:rows]  # [M', O, I] -> [M, O], fused
+        xp = jnp.pad(x2, ((0, m - rows), (0, 0))).astype(jnp.float32)  # [M', I]
+        y = jnp.sum(w.astype(jnp.float32)[None] * xp[:, None, :], axis=-1)[:rows]  # [M', O, I] -> [M, O], fused
     else:
-        y = jnp.einsum("OI,MI->OM", w, x2, preferred_element_type=w.dtype).T  # [M, O]
-    return y.reshape(*lead, w.shape[0])
+        acc = jnp.float32 if out == jnp.float32 else w.dtype  # a bf16 dot accumulates in f32 anyway
+        y = jnp.einsum("OI,MI->OM", w, x2, preferred_element_type=acc).T  # [M, O]
+    return y.astype(out).reshape(*lead, w.shape[0])
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -197,7 +206,7 @@ class Llama(nnx.Module):
 
     def logits(self, h: jax.Array) -> jax.Array:
         """Final normed hidden `[..., D]` -> f32 logits `[..., V]`."""
-        return linear(self.head_weight(), h).astype(jnp.float32)
+        return linear(self.head_weight(), h, jnp.float32)
 
     def hidden(self, tokens, cache: KVCache, collect: tuple[int, ...] = (), embeds=None):
         """Run the decoder over `tokens [B, T]` placed at `cache.lengths`.
