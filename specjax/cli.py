@@ -84,7 +84,25 @@ def _compare_with_plain(specjax, model, a, sampling, results) -> None:
     print(f"[{line}]", file=sys.stderr)
 
 
+def check_json_out(path: str | None) -> None:
+    """Fail before measuring, not after, on a --json-out that cannot be written."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise SpecjaxError(f"--json-out {path}: is a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise SpecjaxError(f"--json-out {path}: cannot create {parent}: {e.strerror or e}") from None
+    if not os.access(parent, os.W_OK):
+        raise SpecjaxError(f"--json-out {path}: directory {parent} is not writable")
+
+
 def cmd_bench(a) -> int:
+    check_json_out(a.json_out)
+    if a.limit is not None and a.limit < 1:
+        raise SpecjaxError(f"--limit must be >= 1, got {a.limit}")
     if a.preset:
         if a.suites or a.prompts_file:
             raise SpecjaxError("bench: --preset runs its own measurements; drop SUITE/--prompts")

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from specjax.errors import InvalidSamplingError
 from specjax.drafters.base import CommitContext, Drafter, InitContext, NoDrafter, StepContext
 from specjax.models.kv_cache import KVCache, write_rows
 from specjax.models.loading import Model
@@ -279,7 +280,8 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
 
     dstate = drafter.commit(dparams, dstate, CommitContext(n, emitted, history, hist_len, live, hidden, final))
     pos = jnp.arange(w)[None]
-    checked = live[:, None] & (pos <= n[:, None]) & (pos < width)  # [B, W]
+    # Drafts cut off by a stop token or max_new were never used: they count as neither.
+    checked = (pos <= n[:, None]) & (pos < width) & (pos < n_emit[:, None])  # [B, W]; n_emit = 0 if not live
     return st.replace(
         cache=cache,
         draft_state=dstate,
@@ -355,7 +357,11 @@ class Engine:
             stop_arr[i, : len(x)] = x
         samp = SamplingArrays.from_params(params)
         all_greedy = all(p.greedy for p in params)
-        key = jax.random.key(params[0].seed)
+        seeds = {p.seed for p in params if not p.greedy}
+        if len(seeds) > 1:  # one random stream per batch: a second seed would be silently ignored
+            raise InvalidSamplingError(f"sampled rows of one batch must share a seed (one random stream per batch), "
+                                       f"got seeds {sorted(seeds)}; generate them in separate calls")
+        key = jax.random.key(seeds.pop() if seeds else params[0].seed)
         prompt, prompt_len = jnp.asarray(prompt), jnp.asarray(lens, jnp.int32)
         cap = max_new if max_new_cap is None else max_new_cap
         max_new_arr = jnp.asarray([min(p.max_new_tokens, cap) for p in params], jnp.int32)

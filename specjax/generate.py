@@ -18,12 +18,18 @@ _ENGINES: dict[tuple, tuple[Model, Engine]] = {}
 _DRAFTERS: dict[tuple, tuple[Model, Drafter]] = {}
 
 
+def per_position(accepted, checked) -> list[float | None]:
+    """accepted / checked per draft position; None where no draft was ever checked (a rate of 0
+    would read as "always rejected")."""
+    return [float(a) / float(c) if c else None for a, c in zip(accepted, checked)]
+
+
 @dataclasses.dataclass
 class GenerationStats:
     steps: int  # draft+verify steps (plain decoding: one per token)
     mean_accepted_length: float  # tokens emitted per step, bonus included (plain: 1.0)
     acceptance_rate: float | None  # accepted / draft positions checked (None without a drafter)
-    per_position_acceptance: list[float]  # P(draft i accepted | drafts < i accepted), K entries
+    per_position_acceptance: list[float | None]  # P(draft i accepted | drafts < i accepted), K entries; None: never checked
     tokens_per_second: float  # generated tokens / (prefill + decode) seconds, compile excluded
     drafter: str
     num_draft: int
@@ -140,7 +146,8 @@ def generate(
     """Generate a continuation for each prompt, batched.
 
     `prompts`: one prompt or a list (strings get the chat template unless `raw`; message lists;
-    token-id lists). `sampling`: one `SamplingParams` for all rows or one per row.
+    token-id lists). `sampling`: one `SamplingParams` for all rows or one per row
+    (sampled rows must share a `seed`: a batch draws from one random stream).
     `max_new_tokens` overrides the sampling params' value. `mesh`: a `jax.sharding.Mesh` with a
     `data` axis to shard rows over (the number of prompts must be a multiple of its size).
     """
@@ -171,7 +178,7 @@ def generate(
             # the prefill emits the first token; MAL counts the tokens of draft-verify steps
             mean_accepted_length=(len(row.token_ids) - 1) / row.steps if row.steps else 1.0,
             acceptance_rate=accepted / checked if checked else None,
-            per_position_acceptance=[a / c if c else 0.0 for a, c in zip(row.accepted, row.checked)],
+            per_position_acceptance=per_position(row.accepted, row.checked),
             tokens_per_second=len(row.token_ids) / seconds if seconds > 0 else 0.0,
             drafter=drafter_label(drafter, d),
             num_draft=d.num_draft,

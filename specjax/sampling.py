@@ -3,7 +3,7 @@
 Order of operations (the same for the target and, in speculative decoding, for the drafter, so
 that rejection sampling compares the two processed distributions):
 
-1. temperature: `logits / T`; T = 0 means greedy (argmax of the raw logits, nothing else applies);
+1. temperature: `logits / T` (computed as `(logits - max) / T`); T = 0 means greedy (argmax of the raw logits, nothing else applies);
 2. top-k: keep the k highest logits (0 = off; ties with the k-th are kept);
 3. top-p: keep the smallest set of highest-probability tokens whose mass is >= p, computed on the
    distribution left by top-k (1.0 = off; ties at the boundary are kept);
@@ -48,6 +48,8 @@ class SamplingParams:
             raise InvalidSamplingError(f"top_p must be in (0, 1], got {p!r}")
         if not isinstance(n, int) or n < 1:
             raise InvalidSamplingError(f"max_new_tokens must be an integer >= 1, got {n!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise InvalidSamplingError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in self.stop_token_ids))
 
     @property
@@ -86,7 +88,10 @@ def process_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """
     nd = logits.ndim
     t = _expand(s.temperature, nd)
-    scaled = jnp.where(t > 0, logits / jnp.where(t > 0, t, 1.0), logits)
+    # Shifted by the row maximum before dividing, so a tiny T cannot overflow to inf (the law is
+    # shift-invariant); clamped at NEG_INF so masked entries stay finite.
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    scaled = jnp.where(t > 0, jnp.maximum((logits - top) / jnp.where(t > 0, t, 1.0), NEG_INF), logits)
     needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
     return jax.lax.cond(needs_sort, lambda x: _truncate(x, s), lambda x: x, scaled)
 
@@ -100,7 +105,9 @@ def _truncate(x: jax.Array, s: SamplingArrays) -> jax.Array:
     srt = jnp.where((k > 0) & (srt < kth), NEG_INF, srt)
     probs = jax.nn.softmax(srt, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive cumulative mass
-    keep = mass_before < _expand(s.top_p, nd)
+    top_p = _expand(s.top_p, nd)
+    # top_p = 1 keeps everything: the f32 cumulative mass can reach 1 before the tail ends.
+    keep = (mass_before < top_p) | (top_p >= 1.0)
     n_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
     pth = jnp.take_along_axis(srt, n_keep - 1, axis=-1)  # smallest kept logit
     thresh = jnp.maximum(jnp.where(k > 0, kth, NEG_INF), pth)

@@ -501,6 +501,27 @@ def test_cli_bad_input_one_line_exit_2(case, tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("specjax: error:"), err
 
 
+@pytest.mark.parametrize("case", ["pretty_json", "input_rows", "same_as_input"])
+def test_cli_output_that_is_not_a_results_file_is_left_untouched(case, model_dir, tmp_path, capsys):
+    """A results file is resumed (a torn last line dropped) only if every line is a result line;
+    any other file named by --output is refused with one line and not changed by a byte."""
+    from specjax.cli import main
+
+    inp = write_jsonl(tmp_path / "in.jsonl", job_rows()[:2])
+    out = {"pretty_json": str(tmp_path / "notes.json"), "input_rows": str(tmp_path / "rows.jsonl"),
+           "same_as_input": inp}[case]
+    if case == "pretty_json":  # no trailing newline: the last line looks torn
+        with open(out, "w") as fh:
+            fh.write('{\n  "important": "data",\n  "x": 1\n}')
+    elif case == "input_rows":  # rows with ids but no results
+        write_jsonl(out, job_rows()[2:4])
+    before = open(out, "rb").read()
+    assert main(["batch", "--input", inp, "--output", out, "--model", model_dir, "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("specjax: error:"), err
+    assert open(out, "rb").read() == before
+
+
 def test_cli_unreadable_input_subprocess(env, tmp_path):
     """The installed console script: one line on stderr, exit code 2, nothing written."""
     out = tmp_path / "out.jsonl"

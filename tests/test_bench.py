@@ -180,6 +180,8 @@ def test_gated_eagle3_spec_passes_the_name_check():
     (["nosuchsuite"], "unknown suite 'nosuchsuite'"),
     (["humaneval", "--drafters", "ngram,nosuchdrafter"], "unknown drafter 'nosuchdrafter' (known: none, ngram"),
     (["humaneval", "--peers", "hf,vllm"], "unknown peer 'vllm'"),
+    (["humaneval", "--limit", "0"], "--limit must be >= 1"),
+    (["plain", "--json-out", "/"], "is a directory"),  # refused before measuring, not after
 ])
 def test_bad_bench_input_is_one_line_exit_2(args, message):
     p = subprocess.run(specjax_cli_cmd() + ["bench", *args], capture_output=True, text=True, timeout=120, check=False)

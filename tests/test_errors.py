@@ -119,8 +119,9 @@ def test_api_prompt_longer_than_context(tiny_model):
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.01), dict(top_k=-1), dict(max_new_tokens=0)],
-    ids=["temperature<0", "top_p=0", "top_p>1", "top_k<0", "max_new_tokens<1"],
+    [dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.01), dict(top_k=-1), dict(max_new_tokens=0),
+     dict(seed=-1), dict(seed=2**64 + 1)],
+    ids=["temperature<0", "top_p=0", "top_p>1", "top_k<0", "max_new_tokens<1", "seed<0", "seed-too-big"],
 )
 def test_api_invalid_sampling(tiny_model, kw):
     with pytest.raises(InvalidSamplingError):
@@ -128,6 +129,15 @@ def test_api_invalid_sampling(tiny_model, kw):
     if "max_new_tokens" in kw:  # the override argument is validated too
         with pytest.raises(InvalidSamplingError):
             specjax.generate([[1, 2]], model=tiny_model, max_new_tokens=kw["max_new_tokens"])
+
+
+def test_api_sampled_rows_with_different_seeds(tiny_model):
+    """A batch draws from one random stream: per-row seeds that differ are refused, not ignored."""
+    rows = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=2) for s in (1, 2)]
+    with pytest.raises(InvalidSamplingError, match="share a seed"):
+        specjax.generate([[1, 2], [3, 4]], model=tiny_model, sampling=rows)
+    greedy_and_sampled = [SamplingParams(seed=5, max_new_tokens=2), SamplingParams(temperature=1.0, seed=2, max_new_tokens=2)]
+    assert len(specjax.generate([[1, 2], [3, 4]], model=tiny_model, sampling=greedy_and_sampled)) == 2
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
@@ -185,8 +195,12 @@ def test_cli_missing_model_subprocess(broken):
         (["--top-k", "-1"], "top_k"),
         (["--max-new-tokens", "0"], "max_new_tokens"),
         (["--temperature", "warm"], "invalid float value"),
+        (["--seed", "18446744073709551617"], "seed"),
+        (["--drafter", "ngram", "--num-draft", "100000", "--max-new-tokens", "4"], "num_draft"),
+        (["--drafter", "ngram:foo", "--max-new-tokens", "4"], "no argument"),
     ],
-    ids=["temperature<0", "top_p=0", "top_p>1", "top_k<0", "max_new_tokens<1", "not-a-number"],
+    ids=["temperature<0", "top_p=0", "top_p>1", "top_k<0", "max_new_tokens<1", "not-a-number", "seed-too-big",
+         "num-draft-too-big", "ngram-argument"],
 )
 def test_cli_invalid_sampling(capsys, tiny_tok_dir, args, match):
     assert_one_line_error(*run_main(capsys, "generate", "--model", tiny_tok_dir, *args, "Hello"), match)

@@ -109,7 +109,8 @@ def test_top_k_keeps_exactly_k(k):
     for r in range(3):
         assert kept(x[r]).sum() == k
         assert set(np.flatnonzero(kept(x[r]))) == set(np.argsort(-logits[r])[:k].tolist())
-        np.testing.assert_array_equal(x[r][kept(x[r])], logits[r][kept(x[r])])
+        shifted = logits[r] - logits[r].max()  # T = 1: processed logits are shifted by the max
+        np.testing.assert_array_equal(x[r][kept(x[r])], shifted[kept(x[r])])
 
 
 def test_top_p_keeps_minimal_nucleus_exact_case():
@@ -158,13 +159,33 @@ def test_top_k_then_top_p_on_the_truncated_distribution():
 def test_temperature_scaling(t):
     logits = distinct_logits(4, 2, V)
     x = np.asarray(process_logits(jnp.asarray(logits), arrays(t, 0, 1.0, n=2)))
-    np.testing.assert_allclose(x, logits / np.float32(t), rtol=1e-6)
+    shifted = (logits - logits.max(-1, keepdims=True)) / np.float32(t)  # the law is shift-invariant
+    np.testing.assert_allclose(x, shifted, rtol=1e-6, atol=1e-6)
     probs = np.asarray(target_probs(jnp.asarray(logits), arrays(t, 0, 1.0, n=2)))
     np.testing.assert_allclose(probs, softmax_np(logits / np.float32(t)), rtol=1e-5, atol=1e-7)
     # temperature is applied before top-p: a colder distribution needs fewer tokens
     cold = np.asarray(process_logits(jnp.asarray(logits), arrays(t, 0, 0.9, n=2)))
     for r in range(2):
         assert set(np.flatnonzero(kept(cold[r]))) == minimal_nucleus(logits[r] / np.float32(t), 0.9)
+
+
+def test_tiny_temperature_does_not_overflow():
+    """Any T > 0 is valid; logits / T must not overflow to inf (which made categorical pick the
+    first overflowed token and target_probs NaN)."""
+    logits = jnp.asarray([[1.0, 8.0, 10.0, -3.0]], jnp.float32)
+    for t in (1e-6, 1e-30, 2e-38, 1e-40):
+        s = arrays(t, 0, 1.0, n=1)
+        np.testing.assert_array_equal(np.asarray(target_probs(logits, s))[0], [0, 0, 1, 0])
+        assert {int(sample(jax.random.key(i), logits, s)[0]) for i in range(5)} == {2}
+
+
+def test_top_p_one_keeps_the_whole_tail_beside_a_truncating_row():
+    """top_p = 1 is off even when a batch-mate's top-p makes the batch sort: the f32 cumulative
+    mass reaches 1 before a long, light tail ends, and those tokens must stay."""
+    logits = jnp.asarray(np.stack([np.linspace(30.0, -30.0, V)] * 2), jnp.float32)
+    x = np.asarray(process_logits(logits, arrays([1.0, 1.0], 0, [1.0, 0.5])))
+    assert kept(x[0]).all()
+    assert kept(x[1]).sum() == 1
 
 
 def test_per_row_settings_in_one_batch():

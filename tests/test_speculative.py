@@ -107,6 +107,11 @@ def test_full_draft_model_accepts_everything(engine, prompt_ids, default_model):
     r = rows[0]
     assert r.accepted == r.checked
     assert (len(r.token_ids) - 1) / r.steps > k  # the last step may be cut by max_new / EOS
+    # Statistics count only drafts that were emitted: max_new = 1 + 9 (K + 1) + 2 cuts the last
+    # step after 2 of its 3 accepted drafts, and the third is not counted.
+    cut = engine.generate(prompt_ids[:1], [SamplingParams(max_new_tokens=39, ignore_eos=True)], drafter=drafter)[0]
+    assert len(cut.token_ids) == 39 and cut.steps == 10
+    assert sum(cut.accepted) == 9 * k + 2 and cut.checked[:2] == [10, 10] and cut.checked[2] == 9
 
 
 def test_stats_through_the_api(default_model):

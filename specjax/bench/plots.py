@@ -80,7 +80,7 @@ def plot_acceptance(report: dict, path: str) -> None:
     for ax, suite in zip(axes, suites):
         for r in rows:
             if r["suite"] == suite and r["per_position_acceptance"]:
-                acc = r["per_position_acceptance"]
+                acc = [float("nan") if a is None else a for a in r["per_position_acceptance"]]  # None: never checked
                 ax.plot(range(1, len(acc) + 1), acc, marker="o", label=config_name(r))
         ax.set_ylim(0, 1.05)
         ax.xaxis.get_major_locator().set_params(integer=True)

@@ -33,7 +33,7 @@ from specjax.bench.common import PeakMemory, compiled_memory_mb, timed
 from specjax.drafters.base import InitContext, StepContext
 from specjax.engine import Engine, _prefill
 from specjax.errors import DrafterError
-from specjax.generate import encode_prompt, get_drafter
+from specjax.generate import encode_prompt, get_drafter, per_position
 from specjax.sampling import SamplingArrays, SamplingParams
 from specjax.verify import accept
 
@@ -241,7 +241,7 @@ def _row(suite, temp, b, c: Config, runs: list[RunFigures], warm: float, compile
         # the prefill emits each row's first token; MAL counts the tokens of draft-verify steps
         "mean_accepted_length": (tokens - rows) / steps if steps else 1.0,
         "acceptance_rate": float(acc.sum() / checked.sum()) if c.num_draft and checked.sum() else None,
-        "per_position_acceptance": [float(a / x) if x else 0.0 for a, x in zip(acc, checked)] if c.num_draft else [],
+        "per_position_acceptance": per_position(acc, checked) if c.num_draft else [],
         "warmup_seconds": warm,
         "compile_seconds": compile_s,
         "peak_memory_mb": peak[0],

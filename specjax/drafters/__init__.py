@@ -18,6 +18,7 @@ from specjax.errors import DrafterError
 # n-gram: up to 15 drafts, of which it asks to verify all only behind a match of 5+ tokens, else 3
 # (NgramDrafter.verify_lengths; docs/performance.md: 2.13x vs 1.73x at K = 3 on code completion).
 DEFAULT_NUM_DRAFT = {"ngram": 15, "draft": 5, "eagle3": 5}
+MAX_NUM_DRAFT = 64  # a verify pass of K + 1 positions; past this the pass costs more than it saves
 KNOWN = ("none", "ngram", "draft[:PATH]", "mtp[:PATH]", "eagle3[:PATH][@GATE]")
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "shipped")
 SHIPPED_FOR = "smollm2-135m"
@@ -63,8 +64,8 @@ def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = N
     """`load(path, dtype)` loads a draft model (defaults to `specjax.load_model`)."""
     spec = (spec or "none").strip()
     kind, arg = split_spec(spec)
-    if num_draft < 0:
-        raise DrafterError(f"num_draft must be >= 0, got {num_draft}")
+    if not 0 <= num_draft <= MAX_NUM_DRAFT:
+        raise DrafterError(f"num_draft must be in [0, {MAX_NUM_DRAFT}], got {num_draft}")
     if kind == "none":
         if num_draft:
             raise DrafterError("num_draft > 0 needs a drafter (--drafter ngram | draft:PATH)")
@@ -79,6 +80,9 @@ def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = N
     k = num_draft or DEFAULT_NUM_DRAFT.get(kind, 5)
     if kind == "ngram":
         from specjax.drafters.ngram import NgramDrafter
+
+        if arg:
+            raise DrafterError(f"the ngram drafter takes no argument, got {spec!r}")
 
         return NgramDrafter(k)
     if kind == "draft":

@@ -209,6 +209,9 @@ def input_fingerprint(lines: list[tuple[int, bytes]]) -> str:
 # ---- results file ------------------------------------------------------------------------------
 
 
+RESULT_FIELDS = {"id", "line", "token_ids", "finish_reason"}  # what every result line carries
+
+
 class ResultsFile:
     """An append-only JSONL file of results; each line is written whole or not at all."""
 
@@ -216,23 +219,34 @@ class ResultsFile:
         self.path = path
         self.done: set[str] = set()  # json.dumps(id) of rows already written
         try:
-            with open(path, "rb+") as fh:
+            with open(path, "rb") as fh:
                 data = fh.read()
-                end = data.rfind(b"\n") + 1
-                if end < len(data):  # a crash mid-write (or a torn copy): drop the partial line
-                    fh.truncate(end)
         except FileNotFoundError:
-            data, end = b"", 0
+            data = b""
         except OSError as e:
             raise SpecjaxError(f"{path}: {e.strerror or e}") from None
+        # Check the whole file before changing a byte of it: only a file of result lines (and at
+        # most a torn last one) is resumed; anything else is left as it is.
+        end = data.rfind(b"\n") + 1
         for i, line in enumerate(data[:end].split(b"\n")[:-1], 1):
             if not line.strip():
                 continue
             try:
-                rid = json.loads(line)["id"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise SpecjaxError(f"{path}:{i}: not a result line; fix the file or choose another --output") from None
-            self.done.add(json.dumps(rid))
+                obj = json.loads(line)
+                ok = isinstance(obj, dict) and RESULT_FIELDS <= obj.keys()
+            except json.JSONDecodeError:
+                ok = False
+            if not ok:
+                raise SpecjaxError(f"{path}:{i}: not a result line; fix the file or choose another --output")
+            self.done.add(json.dumps(obj["id"]))
+        if end < len(data):  # a crash mid-write (or a torn copy): drop the partial result line
+            if not data[end:].startswith(b'{"id": '):
+                raise SpecjaxError(f"{path}: last line is not a result line; fix the file or choose another --output")
+            try:
+                with open(path, "rb+") as fh:
+                    fh.truncate(end)
+            except OSError as e:
+                raise SpecjaxError(f"{path}: {e.strerror or e}") from None
         try:
             self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:
@@ -377,6 +391,8 @@ def check_paths(cfg: BatchConfig) -> None:
         raise SpecjaxError(f"{cfg.output}: directory {out_dir} does not exist")
     if os.path.isdir(cfg.output):
         raise SpecjaxError(f"{cfg.output}: is a directory")
+    if cfg.input and os.path.exists(cfg.output) and os.path.samefile(cfg.input, cfg.output):
+        raise SpecjaxError(f"{cfg.output}: is the input file; choose another --output")
     if not 0 <= cfg.process_id < cfg.num_processes:
         raise SpecjaxError(f"--process-id must be in [0, {cfg.num_processes}), got {cfg.process_id}")
     if cfg.latency_class not in LATENCY_BATCH_SIZE:

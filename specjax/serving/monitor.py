@@ -54,6 +54,7 @@ import time
 
 import numpy as np
 
+from specjax.generate import per_position
 from specjax.serving.config import MonitorConfig
 
 logger = logging.getLogger("specjax.serving")
@@ -87,8 +88,8 @@ class Sample:
         c = int(self.checked.sum())
         return float(self.accepted.sum()) / c if c else None
 
-    def per_position(self) -> list[float]:
-        return [float(a) / c if c else 0.0 for a, c in zip(self.accepted, self.checked)]
+    def per_position(self) -> list[float | None]:
+        return per_position(self.accepted, self.checked)
 
 
 def _pad(x: np.ndarray, w: int) -> np.ndarray:

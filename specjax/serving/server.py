@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import secrets
 import socket
 import threading
 import time
@@ -94,7 +95,9 @@ def parse_sampling(body: dict, default_max: int | None) -> tuple[SamplingParams,
     max_tokens = _number(body, name, None, integer=True)
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(f"'{name}' must be >= 1, got {max_tokens}", name)
-    seed = _number(body, "seed", 0, 0, 2**63 - 1, integer=True)
+    seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
+    if seed is None:  # no seed: an independent random stream per request (OpenAI's semantics)
+        seed = secrets.randbits(31)
     stop = body.get("stop")
     if stop is None:
         stops = []
