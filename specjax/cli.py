@@ -66,8 +66,11 @@ def cmd_generate(a) -> int:
             acc = "" if s.acceptance_rate is None else f", acceptance {s.acceptance_rate:.2f}"
             print(f"[{len(r.token_ids)} tokens, {s.tokens_per_second:.1f} tok/s, drafter {s.drafter} "
                   f"K={s.num_draft}, MAL {s.mean_accepted_length:.2f}{acc}]", file=sys.stderr)
-    if a.compare_plain and a.drafter not in (None, "none"):
-        _compare_with_plain(specjax, model, a, sampling, results)
+    if a.compare_plain:
+        if a.drafter in (None, "none"):
+            print("[--compare-plain: no --drafter given, nothing to compare]", file=sys.stderr)
+        else:
+            _compare_with_plain(specjax, model, a, sampling, results)
     return 0
 
 

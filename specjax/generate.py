@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+import numpy as np
+
 from specjax.drafters import Drafter, make_drafter
 from specjax.engine import Engine
 from specjax.errors import InvalidPromptError, InvalidSamplingError
@@ -84,7 +86,11 @@ def get_drafter(spec: str | None, num_draft: int, target: Model) -> Drafter:
 
 
 def drafter_label(spec: str | None, d: Drafter) -> str:
-    return d.name if d.name != "draft" else (spec or "draft")
+    """The spec as given (a path tells draft models apart), with EAGLE-3's effective gate."""
+    label = (spec or d.name).strip()
+    if d.name == "eagle3" and "@" not in label:
+        label += f"@{d.min_confidence:g}"
+    return label
 
 
 def encode_prompt(model: Model, prompt: Prompt, raw: bool = False) -> list[int]:
@@ -98,7 +104,8 @@ def encode_prompt(model: Model, prompt: Prompt, raw: bool = False) -> list[int]:
         if not prompt.strip():
             raise InvalidPromptError("empty prompt")
         if tok is None:
-            raise InvalidPromptError(f"model {model.name} has no tokenizer: pass token ids")
+            raise InvalidPromptError(f"model {model.name} has no tokenizer (no tokenizer files beside its weights): "
+                                     f"give token ids through the Python API")
         if not raw and getattr(tok, "chat_template", None):
             text = tok.apply_chat_template(
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
@@ -106,19 +113,25 @@ def encode_prompt(model: Model, prompt: Prompt, raw: bool = False) -> list[int]:
             ids = tok(text, add_special_tokens=False).input_ids
         else:
             ids = tok(prompt).input_ids
-    elif prompt and all(isinstance(m, dict) for m in prompt):
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
         if tok is None or not getattr(tok, "chat_template", None):
             raise InvalidPromptError(f"model {model.name} has no chat template for messages")
         if any("role" not in m or "content" not in m for m in prompt):
             raise InvalidPromptError("each chat message needs 'role' and 'content'")
         text = tok.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False).input_ids
-    else:
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                                  for t in prompt):
         ids = [int(t) for t in prompt]
-        if any(t < 0 or t >= model.config.vocab_size for t in ids):
-            raise InvalidPromptError(f"token id out of range [0, {model.config.vocab_size})")
+    else:
+        raise InvalidPromptError(f"a prompt is a string, a list of chat messages or a list of token ids, "
+                                 f"got {type(prompt).__name__}: {str(prompt)[:60]!r}")
     if not ids:
         raise InvalidPromptError("empty prompt")
+    if any(t < 0 or t >= model.config.vocab_size for t in ids):
+        why = "" if isinstance(prompt, (list, tuple)) and not isinstance(prompt[0], dict) else \
+            " (the tokenizer's vocabulary is larger than the model's)"
+        raise InvalidPromptError(f"token id out of range [0, {model.config.vocab_size}){why}")
     return list(ids)
 
 
@@ -151,6 +164,8 @@ def generate(
     `max_new_tokens` overrides the sampling params' value. `mesh`: a `jax.sharding.Mesh` with a
     `data` axis to shard rows over (the number of prompts must be a multiple of its size).
     """
+    if not isinstance(prompts, (str, list, tuple)):
+        raise InvalidPromptError(f"prompts must be a string or a list, got {type(prompts).__name__}")
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
         prompts = [prompts]
     if not prompts:

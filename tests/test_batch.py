@@ -229,11 +229,27 @@ def test_errors_file_names_each_bad_row(model, reference, tmp_path):
         (11, "fill", "max_new_tokens 250 exceeds the model's context"), (12, "t", "temperature"),
         (13, "p", "top_p"), (14, "k", "top_k must be a number"), (15, "n", "max_new_tokens"),
         (16, "s", "seed"), (17, "m", "'messages' must be a non-empty list"), (18, "both", "not both"),
-        (20, None, "missing id"), (21, "e", "'prompt' must be a non-empty string"), (22, None, "not UTF-8"),
+        (20, None, "invalid id ''"), (21, "e", "'prompt' must be a non-empty string"), (22, None, "not UTF-8"),
     ]
     assert [(e["line"], e["id"]) for e in errors] == [(line, i) for line, i, _ in expected]
     for e, (_, _, reason) in zip(errors, expected):
         assert reason in e["reason"], (e, reason)
+
+
+def test_openai_max_tokens_and_ignored_fields():
+    from specjax.sampling import SamplingParams
+    from specjax.serving.batch import BadRow, ignored_fields, parse_row
+
+    defaults = SamplingParams(max_new_tokens=16)
+    row = parse_row(1, json.dumps({"id": 1, "prompt": "x", "max_tokens": 4}).encode(), defaults)
+    assert row.sampling.max_new_tokens == 4
+    same = parse_row(2, json.dumps({"id": 2, "prompt": "x", "max_tokens": 4, "max_new_tokens": 4}).encode(), defaults)
+    assert same.sampling.max_new_tokens == 4
+    bad = parse_row(3, json.dumps({"id": 3, "prompt": "x", "max_tokens": 4, "max_new_tokens": 5}).encode(), defaults)
+    assert isinstance(bad, BadRow) and "disagree" in bad.reason
+    lines = [(1, b'{"id": 1, "prompt": "x", "category": "a", "temprature": 0.5}'), (2, b'{"id": 2, "prompt": "y", '
+             b'"category": "b", "max_tokens": 3}'), (3, b"{not json")]
+    assert ignored_fields(lines) == {"category": 2, "temprature": 1}
 
 
 # ---- devices -------------------------------------------------------------------------------------

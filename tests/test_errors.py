@@ -131,6 +131,12 @@ def test_api_invalid_sampling(tiny_model, kw):
             specjax.generate([[1, 2]], model=tiny_model, max_new_tokens=kw["max_new_tokens"])
 
 
+@pytest.mark.parametrize("prompts", [123, ["hi", 5], [[1, 2.5]], [[True, 2]]], ids=["int", "mixed", "float-id", "bool-id"])
+def test_api_prompt_of_the_wrong_type(tiny_model, prompts):
+    with pytest.raises(InvalidPromptError, match="prompt"):
+        specjax.generate(prompts, model=tiny_model, max_new_tokens=2)
+
+
 def test_api_sampled_rows_with_different_seeds(tiny_model):
     """A batch draws from one random stream: per-row seeds that differ are refused, not ignored."""
     rows = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=2) for s in (1, 2)]

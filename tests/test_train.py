@@ -110,6 +110,10 @@ def test_cli_bad_recipe_is_one_line_exit_2(tmp_path):
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == ["specjax: error: the recipe is missing the key 'model'"]
+    from specjax.cli import main
+
+    assert main(["train"]) == 2  # no recipe at all: says how to give one
+    assert main(["train", "--config", str(p), "--stop-after", "0"]) == 2
 
 
 @pytest.fixture(scope="module")

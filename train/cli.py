@@ -165,8 +165,12 @@ def run(recipe: Recipe, console: Console | None = None, stop_after: int | None =
 def main(a) -> int:
     """Entry from `specjax train` (argparse namespace: args = [DRAFTER] KEY=VALUE..., config, stop_after)."""
     overrides = list(a.args)
+    if not a.config and not overrides:
+        raise RecipeError("train: give a recipe, e.g. `specjax train eagle3 --config configs/eagle3-smollm2.yaml`")
     if overrides and "=" not in overrides[0]:
         overrides[0] = f"drafter={overrides[0]}"
+    if a.stop_after is not None and a.stop_after < 1:
+        raise RecipeError(f"--stop-after must be >= 1, got {a.stop_after}")
     recipe = load_recipe(a.config, overrides)
     run(recipe, stop_after=a.stop_after)
     return 0

@@ -1,8 +1,8 @@
 """Batch jobs (`specjax batch`): a JSONL file of prompts in, a JSONL file of results out.
 
 Input rows are `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`, optionally
-with their own `temperature`, `top_k`, `top_p`, `max_new_tokens`, `seed` (the CLI flags give the
-defaults). Output rows are `{"id", "line", "text", "token_ids", "finish_reason", "stats"}`, the
+with their own `temperature`, `top_k`, `top_p`, `max_new_tokens` (or OpenAI's `max_tokens`), `seed`
+(the CLI flags give the defaults); other fields are ignored, and the job names them once on stderr. Output rows are `{"id", "line", "text", "token_ids", "finish_reason", "stats"}`, the
 fields of `specjax generate --json` plus the input line number, in completion order (merged
 multi-process outputs are in input order).
 
@@ -135,7 +135,12 @@ def parse_row(line: int, raw: bytes, defaults) -> JobRow | BadRow:
         return BadRow(line, None, "a row must be a JSON object")
     rid = obj.get("id")
     if not _valid_id(rid):
-        return BadRow(line, None, "missing id: a row needs an 'id' (a non-empty string or an integer)")
+        what = f"invalid id {rid!r}" if "id" in obj else "missing id"
+        return BadRow(line, None, f"{what}: a row needs an 'id' (a non-empty string or an integer)")
+    if "max_tokens" in obj:  # OpenAI's name for it
+        if "max_new_tokens" in obj and obj["max_new_tokens"] != obj["max_tokens"]:
+            return BadRow(line, rid, "'max_tokens' and 'max_new_tokens' disagree; give one")
+        obj["max_new_tokens"] = obj["max_tokens"]
     has_p, has_m = "prompt" in obj, "messages" in obj
     if has_p and has_m:
         return BadRow(line, rid, "give either 'prompt' or 'messages', not both")
@@ -167,6 +172,24 @@ def parse_row(line: int, raw: bytes, defaults) -> JobRow | BadRow:
         return BadRow(line, rid, str(e))
     assert isinstance(sampling, SamplingParams)
     return JobRow(line, rid, prompt, sampling)
+
+
+ROW_FIELDS = {"id", "prompt", "messages", "max_tokens", *SAMPLING_FIELDS}
+
+
+def ignored_fields(lines: list[tuple[int, bytes]]) -> dict[str, int]:
+    """Fields of valid JSON rows that specjax does not read (metadata, or a misspelt setting) ->
+    how many rows carry them; the job says so once instead of silently dropping a setting."""
+    seen: dict[str, int] = {}
+    for _, raw in lines:
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            for f in obj.keys() - ROW_FIELDS:
+                seen[f] = seen.get(f, 0) + 1
+    return seen
 
 
 def parse_input(lines: list[tuple[int, bytes]], defaults) -> list[JobRow | BadRow]:
@@ -419,6 +442,10 @@ def run_batch(cfg: BatchConfig) -> dict:
 
     lines = read_input(cfg)
     parsed = parse_input(lines, cfg.sampling or SamplingParams())
+    extra = ignored_fields(lines)
+    if extra and pid == 0:
+        print("specjax batch: ignoring row fields it does not use: "
+              + ", ".join(f"{f} ({n} rows)" for f, n in sorted(extra.items())), file=sys.stderr)
     mine = [r for i, r in enumerate(parsed) if i % n_proc == pid]
     sizes = scaleout.parse_mesh(cfg.mesh, len(jax.local_devices()))
 
