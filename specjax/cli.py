@@ -33,8 +33,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = off)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default: 128)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of sampled decoding, in [0, 2**32) (default: 0)")
 
 
 def sampling_from_args(a):
@@ -57,11 +57,11 @@ def cmd_generate(a) -> int:
     results = specjax.generate(
         a.prompts, model=model, sampling=sampling, drafter=a.drafter, num_draft=a.num_draft, raw=a.raw
     )
-    for r in results:
+    for i, r in enumerate(results):
         if a.json:
             print(json.dumps(r.to_dict()), flush=True)
         else:
-            print(r.text, flush=True)
+            print(("\n" if i else "") + r.text, flush=True)  # a blank line between replies
             s = r.stats
             acc = "" if s.acceptance_rate is None else f", acceptance {s.acceptance_rate:.2f}"
             print(f"[{len(r.token_ids)} tokens, {s.tokens_per_second:.1f} tok/s, drafter {s.drafter} "
@@ -309,7 +309,8 @@ def build_parser() -> ArgumentParser:
     add_model_args(g)
     add_sampling_args(g)
     g.add_argument("--drafter", default="none", help="none | ngram | draft:PATH | mtp[:PATH] | eagle3[:PATH][@GATE]")
-    g.add_argument("--num-draft", type=int, default=0, help="K, draft tokens per step")
+    g.add_argument("--num-draft", type=int, default=0, help="K, draft tokens per step, at most 64 (default 0: the "
+                   "drafter's own, ngram 15, draft and eagle3 5, mtp its module count)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     g.add_argument("--compare-plain", action="store_true", help="also decode the prompts without the drafter "
                    "and print the speedup measured in this run")
