@@ -148,6 +148,6 @@ def test_cli_compare_plain_reports_speedup_and_identity(default_model, capsys):
     rc = main(["generate", "--drafter", "eagle3", "--compare-plain", "--max-new-tokens", "24", PROMPTS[0]])
     out, err = capsys.readouterr()
     assert rc == 0 and out.strip(), err
-    assert "drafter eagle3 K=5" in err and "acceptance" in err
+    assert "drafter eagle3@0.5 K=5" in err and "acceptance" in err  # the CPU default gate
     line = [s for s in err.splitlines() if "plain decoding, same prompts" in s]
     assert len(line) == 1 and "speedup" in line[0] and "greedy output identical" in line[0], err
