@@ -264,7 +264,7 @@ def run_preset(name: str, model_path: str | None = None, dtype: str | None = Non
         raise SpecjaxError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
     p = PRESETS[name]
     mals = load_mals(mal_from)  # bad input fails before anything runs
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, log_path=False)
     log = console.log
     budget = Budget(time_budget if time_budget is not None else p.time_budget)
     bws = [device_copy_bandwidth_gbs(p.copy_bytes)]

@@ -80,7 +80,7 @@ def forward_costs(model, ts: list[int], context: int, repeats: int, steps: int =
 
 def run_plain_bench(model_path=None, dtype=None, batch_sizes=(1, 8, 32), max_new_tokens=64, prompt_len=128,
                     forward_ts=(1, 2, 4, 8, 16), repeats=3, json_out=None, console=None) -> dict:
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, log_path=False)
     model = load_model(model_path, dtype=dtype)
     engine = Engine(model)
     bws = [copy_bandwidth_gbs()]

@@ -259,7 +259,7 @@ def run_speculative_bench(model, suite_ids: dict[str, list[list[int]]], configs:
     """suite_ids: name -> token ids of its prompts. Returns result rows, speedups included."""
     from rich.console import Console
 
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, log_path=False)
     engine = Engine(model)
     mem = PeakMemory()
     rows = []
@@ -309,7 +309,7 @@ def bench_suites(model, suites: dict[str, list], drafters: list[str], num_drafts
 
     from specjax.bench import peers as peers_mod
 
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, log_path=False)
     configs = resolve_configs(drafters, num_drafts, model)  # raises before anything runs
     suite_ids = encode_suites(model, suites)
     peer_objs, skipped = peers_mod.prepare_peers(list(peers), model, list(drafters), num_drafts, console)
