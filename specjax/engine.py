@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from specjax.errors import InvalidSamplingError
 from specjax.drafters.base import CommitContext, Drafter, InitContext, NoDrafter, StepContext
+from specjax.errors import InvalidSamplingError
 from specjax.models.kv_cache import KVCache, write_rows
 from specjax.models.loading import Model
 from specjax.sampling import SamplingArrays, SamplingParams, sample

@@ -31,7 +31,8 @@ class GenerationStats:
     steps: int  # draft+verify steps (plain decoding: one per token)
     mean_accepted_length: float  # tokens emitted per step, bonus included (plain: 1.0)
     acceptance_rate: float | None  # accepted / draft positions checked (None without a drafter)
-    per_position_acceptance: list[float | None]  # P(draft i accepted | drafts < i accepted), K entries; None: never checked
+    # P(draft i accepted | drafts < i accepted), K entries; None where never checked
+    per_position_acceptance: list[float | None]
     tokens_per_second: float  # generated tokens / (prefill + decode) seconds, compile excluded
     drafter: str
     num_draft: int
@@ -100,6 +101,7 @@ def encode_prompt(model: Model, prompt: Prompt, raw: bool = False) -> list[int]:
 
     tok = model.tokenizer
     raw = raw or isinstance(prompt, RawText)
+    from_tokenizer = True  # ids out of the model's range then mean a mismatched tokenizer
     if isinstance(prompt, str):
         if not prompt.strip():
             raise InvalidPromptError("empty prompt")
@@ -122,15 +124,14 @@ def encode_prompt(model: Model, prompt: Prompt, raw: bool = False) -> list[int]:
         ids = tok(text, add_special_tokens=False).input_ids
     elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
                                                   for t in prompt):
-        ids = [int(t) for t in prompt]
+        ids, from_tokenizer = [int(t) for t in prompt], False
     else:
         raise InvalidPromptError(f"a prompt is a string, a list of chat messages or a list of token ids, "
                                  f"got {type(prompt).__name__}: {str(prompt)[:60]!r}")
     if not ids:
         raise InvalidPromptError("empty prompt")
     if any(t < 0 or t >= model.config.vocab_size for t in ids):
-        why = "" if isinstance(prompt, (list, tuple)) and not isinstance(prompt[0], dict) else \
-            " (the tokenizer's vocabulary is larger than the model's)"
+        why = " (the tokenizer's vocabulary is larger than the model's)" if from_tokenizer else ""
         raise InvalidPromptError(f"token id out of range [0, {model.config.vocab_size}){why}")
     return list(ids)
 

@@ -3,7 +3,8 @@
 Order of operations (the same for the target and, in speculative decoding, for the drafter, so
 that rejection sampling compares the two processed distributions):
 
-1. temperature: `logits / T` (computed as `(logits - max) / T`); T = 0 means greedy (argmax of the raw logits, nothing else applies);
+1. temperature: `logits / T`, computed as `(logits - max) / T`; T = 0 means greedy (argmax of the
+   raw logits, nothing else applies);
 2. top-k: keep the k highest logits (0 = off; ties with the k-th are kept);
 3. top-p: keep the smallest set of highest-probability tokens whose mass is >= p, computed on the
    distribution left by top-k (1.0 = off; ties at the boundary are kept);

@@ -238,7 +238,7 @@ def test_errors_file_names_each_bad_row(model, reference, tmp_path):
 
 def test_openai_max_tokens_and_ignored_fields():
     from specjax.sampling import SamplingParams
-    from specjax.serving.batch import BadRow, ignored_fields, parse_row
+    from specjax.serving.batch import BadRow, parse_input, parse_row
 
     defaults = SamplingParams(max_new_tokens=16)
     row = parse_row(1, json.dumps({"id": 1, "prompt": "x", "max_tokens": 4}).encode(), defaults)
@@ -249,7 +249,9 @@ def test_openai_max_tokens_and_ignored_fields():
     assert isinstance(bad, BadRow) and "disagree" in bad.reason
     lines = [(1, b'{"id": 1, "prompt": "x", "category": "a", "temprature": 0.5}'), (2, b'{"id": 2, "prompt": "y", '
              b'"category": "b", "max_tokens": 3}'), (3, b"{not json")]
-    assert ignored_fields(lines) == {"category": 2, "temprature": 1}
+    ignored: dict[str, int] = {}
+    parse_input(lines, defaults, ignored)
+    assert ignored == {"category": 2, "temprature": 1}
 
 
 # ---- devices -------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Input rows are `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`, optionally
 with their own `temperature`, `top_k`, `top_p`, `max_new_tokens` (or OpenAI's `max_tokens`), `seed`
-(the CLI flags give the defaults); other fields are ignored, and the job names them once on stderr. Output rows are `{"id", "line", "text", "token_ids", "finish_reason", "stats"}`, the
+(the CLI flags give the defaults); other fields are ignored, and the job names them once on
+stderr. Output rows are `{"id", "line", "text", "token_ids", "finish_reason", "stats"}`, the
 fields of `specjax generate --json` plus the input line number, in completion order (merged
 multi-process outputs are in input order).
 
@@ -47,6 +48,7 @@ from specjax.serving import scaleout
 from specjax.serving.batch_throttle import PROBE_TOKENS, BatchThrottle, Figures, class_key, parse_policy
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "max_new_tokens", "seed")
+ROW_FIELDS = {"id", "prompt", "messages", "max_tokens", *SAMPLING_FIELDS}  # what a row may carry
 LATENCY_BATCH_SIZE = {"batch": 16, "interactive": 1}  # default --batch-size per latency class
 
 
@@ -121,8 +123,10 @@ def _valid_id(x) -> bool:
     return (isinstance(x, str) and x != "") or (isinstance(x, int) and not isinstance(x, bool))
 
 
-def parse_row(line: int, raw: bytes, defaults) -> JobRow | BadRow:
-    """One input line -> a row (not yet tokenized) or the reason it is bad."""
+def parse_row(line: int, raw: bytes, defaults, ignored: dict[str, int] | None = None) -> JobRow | BadRow:
+    """One input line -> a row (not yet tokenized) or the reason it is bad. `ignored` counts the
+    fields of JSON-object rows that specjax does not read (metadata, or a misspelt setting), so the
+    job can name them once instead of silently dropping a setting."""
     from specjax.sampling import SamplingParams
 
     try:
@@ -133,6 +137,9 @@ def parse_row(line: int, raw: bytes, defaults) -> JobRow | BadRow:
         return BadRow(line, None, f"invalid JSON ({e.msg} at column {e.colno})")
     if not isinstance(obj, dict):
         return BadRow(line, None, "a row must be a JSON object")
+    if ignored is not None:
+        for f in obj.keys() - ROW_FIELDS:
+            ignored[f] = ignored.get(f, 0) + 1
     rid = obj.get("id")
     if not _valid_id(rid):
         what = f"invalid id {rid!r}" if "id" in obj else "missing id"
@@ -174,30 +181,13 @@ def parse_row(line: int, raw: bytes, defaults) -> JobRow | BadRow:
     return JobRow(line, rid, prompt, sampling)
 
 
-ROW_FIELDS = {"id", "prompt", "messages", "max_tokens", *SAMPLING_FIELDS}
-
-
-def ignored_fields(lines: list[tuple[int, bytes]]) -> dict[str, int]:
-    """Fields of valid JSON rows that specjax does not read (metadata, or a misspelt setting) ->
-    how many rows carry them; the job says so once instead of silently dropping a setting."""
-    seen: dict[str, int] = {}
-    for _, raw in lines:
-        try:
-            obj = json.loads(raw)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            for f in obj.keys() - ROW_FIELDS:
-                seen[f] = seen.get(f, 0) + 1
-    return seen
-
-
-def parse_input(lines: list[tuple[int, bytes]], defaults) -> list[JobRow | BadRow]:
+def parse_input(lines: list[tuple[int, bytes]], defaults, ignored: dict[str, int] | None = None
+                ) -> list[JobRow | BadRow]:
     """Parse every line; a repeated id is bad on every line after the first that has it."""
     first: dict[str, int] = {}
     out = []
     for line, raw in lines:
-        r = parse_row(line, raw, defaults)
+        r = parse_row(line, raw, defaults, ignored)
         if r.id is not None:
             key = json.dumps(r.id)
             if key in first:
@@ -441,8 +431,8 @@ def run_batch(cfg: BatchConfig) -> dict:
     batch_size = cfg.batch_size or LATENCY_BATCH_SIZE[cfg.latency_class]
 
     lines = read_input(cfg)
-    parsed = parse_input(lines, cfg.sampling or SamplingParams())
-    extra = ignored_fields(lines)
+    extra: dict[str, int] = {}
+    parsed = parse_input(lines, cfg.sampling or SamplingParams(), extra)
     if extra and pid == 0:
         print("specjax batch: ignoring row fields it does not use: "
               + ", ".join(f"{f} ({n} rows)" for f, n in sorted(extra.items())), file=sys.stderr)
