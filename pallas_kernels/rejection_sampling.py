@@ -35,7 +35,7 @@ VOCAB_TILE = 2048  # lanes per vocab tile (smaller vocabularies use one tile of 
 ACCEPT_STREAM = 0x7FFFFFFF  # vocab index reserved for the acceptance uniforms
 
 
-def _mix32(x):
+def mix32(x):
     """A 32-bit integer finaliser with good avalanche (xor-shift-multiply)."""
     x = x ^ (x >> 16)
     x = x * jnp.uint32(0x7FEB352D)
@@ -46,8 +46,8 @@ def _mix32(x):
 
 def hash_uniform(seed, pos, vocab):
     """U(0, 1) float32 (never 0 or 1) from uint32 seed, position and vocab index (broadcast)."""
-    x = _mix32(seed.astype(jnp.uint32) ^ _mix32(pos.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)))
-    return unit_float(_mix32(x ^ vocab.astype(jnp.uint32)))
+    x = mix32(seed.astype(jnp.uint32) ^ mix32(pos.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)))
+    return unit_float(mix32(x ^ vocab.astype(jnp.uint32)))
 
 
 def unit_float(x):

@@ -29,12 +29,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, job_seed: bool = False) -> None:
+    """`job_seed`: --seed is a batch job's seed (default 0, so a rerun reproduces the job) rather
+    than every prompt's (default: a fresh one per prompt)."""
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = off)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default: 128)")
-    p.add_argument("--seed", type=int, default=0, help="random seed of sampled decoding, in [0, 2**32) (default: 0)")
+    if job_seed:
+        p.add_argument("--seed", type=int, default=0, help="job seed in [0, 2**32): a row without its own seed "
+                       "draws from a seed derived from it and the row's input line (default: 0)")
+    else:
+        p.add_argument("--seed", type=int, default=None, help="seed of sampled decoding, in [0, 2**32); every "
+                       "prompt draws from its own stream of it (default: a fresh random seed per prompt)")
 
 
 def sampling_from_args(a):
@@ -355,7 +362,7 @@ def build_parser() -> ArgumentParser:
     j.add_argument("--limit", type=int, default=None, help="only the first N rows of the input or suite")
     j.add_argument("--output", required=True, help="results JSONL (appended; rerun the same command to resume)")
     add_model_args(j)
-    add_sampling_args(j)
+    add_sampling_args(j, job_seed=True)
     j.add_argument("--drafter", default="none", help="none | ngram | draft:PATH | mtp[:PATH] | eagle3[:PATH][@GATE]")
     j.add_argument("--num-draft", type=int, default=0, help="K, draft tokens per step")
     j.add_argument("--spec-throttle", default="auto", help="auto: per batch shape, speculate only where a "

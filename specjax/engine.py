@@ -36,10 +36,10 @@ import numpy as np
 from flax import nnx, struct
 
 from specjax.drafters.base import CommitContext, Drafter, InitContext, NoDrafter, StepContext
-from specjax.errors import InvalidSamplingError
 from specjax.models.kv_cache import KVCache, write_rows
 from specjax.models.loading import Model
-from specjax.sampling import SamplingArrays, SamplingParams, sample
+from specjax.sampling import (FIRST_TOKEN, STREAM_DRAFT, STREAM_SAMPLE, STREAM_VERIFY, SamplingArrays,
+                              SamplingParams, derive, sample)
 from specjax.verify import accept
 
 
@@ -65,7 +65,7 @@ class LoopState:
     hist_len: jax.Array  # [B] int32
     done: jax.Array  # [B] bool
     stopped: jax.Array  # [B] bool, ended on EOS / a stop id (else on length)
-    key: jax.Array  # one key for the batch (not per row)
+    seed: jax.Array  # [B] uint32, each row's random seed (specjax/sampling.py)
     steps: jax.Array  # [B] int32, steps in which the row was running
     checked: jax.Array  # [B, W] int32, times draft position i was checked (W >= K)
     accepted: jax.Array  # [B, W] int32, times draft position i was accepted
@@ -145,13 +145,12 @@ def _is_stop(tokens, stop_ids):
 
 
 def init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final, samp: SamplingArrays,
-               max_new, stop_ids, key, *, drafter: Drafter, all_greedy: bool, stat_width: int) -> LoopState:
+               max_new, stop_ids, seed, *, drafter: Drafter, all_greedy: bool, stat_width: int) -> LoopState:
     """The loop state after the prefill: the first token sampled from `last_logits [B, V]`, the
-    history `[B, S]` (S = the cache's size), the drafter initialised. `key` is split once for the
-    first token; the rest travels in the state."""
+    history `[B, S]` (S = the cache's size), the drafter initialised. `seed [B]` uint32: each
+    row's random seed, kept in the state."""
     b, s = prompt.shape[0], cache.size
-    key, sub = jax.random.split(key)
-    first = sample(sub, last_logits, samp)  # [B]
+    first = sample(derive(seed, FIRST_TOKEN, STREAM_SAMPLE), last_logits, samp)  # [B]
     history = jnp.zeros((b, s), jnp.int32).at[:, : prompt.shape[1]].set(prompt)
     history = history.at[jnp.arange(b), prompt_len].set(first)
     hist_len = prompt_len + 1
@@ -167,7 +166,7 @@ def init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_
         hist_len=hist_len,
         done=stop | (max_new <= 1),
         stopped=stop,
-        key=key,
+        seed=seed,
         steps=jnp.zeros((b,), jnp.int32),
         checked=jnp.zeros((b, stat_width), jnp.int32),
         accepted=jnp.zeros((b, stat_width), jnp.int32),
@@ -195,19 +194,19 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     samp, prompt_len, max_new, stop_ids = st.sampling, st.prompt_len, st.max_new, st.stop_ids
     collect = drafter.hidden_layers
 
-    def accept_step(logits, draft, q, k_accept):
+    def accept_step(logits, draft, q, seeds):
         if all_greedy or k == 0:
-            return accept(logits, draft, q, samp, k_accept, all_greedy, implementation)
+            return accept(logits, draft, q, samp, seeds, all_greedy, implementation)
         return jax.lax.cond(
             jnp.any(samp.temperature > 0),
-            lambda: accept(logits, draft, q, samp, k_accept, False, implementation),
-            lambda: accept(logits, draft, q, samp, k_accept, True, implementation),
+            lambda: accept(logits, draft, q, samp, seeds, False, implementation),
+            lambda: accept(logits, draft, q, samp, seeds, True, implementation),
         )
 
-    def verify(tokens_in, draft, q, cache, k_accept):
+    def verify(tokens_in, draft, q, cache, seeds):
         """Target pass over [last, d_1..d_K] [B, K+1] and the accept step."""
         h, cache, hidden = model.hidden(tokens_in, cache, collect=collect)  # [B, K+1, D]
-        n, emitted = accept_step(model.logits(h), draft, q, k_accept)
+        n, emitted = accept_step(model.logits(h), draft, q, seeds)
         return n, emitted, cache, hidden, (h if drafter.needs_final_hidden else None)
 
     def to_full_width(emitted, hidden, final):
@@ -219,29 +218,30 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
         final = None if final is None else jnp.pad(final, ((0, 0), (0, extra), (0, 0)))
         return emitted, hidden, final
 
-    def verify_prefix(length, tokens_in, draft, q, cache, k_accept):
+    def verify_prefix(length, tokens_in, draft, q, cache, seeds):
         """verify() of the first `length` drafts only (a shorter, cheaper pass)."""
         qp = None if q is None else q[:, :length]
-        n, emitted, cache, hidden, final = verify(tokens_in[:, : length + 1], draft[:, :length], qp, cache, k_accept)
+        n, emitted, cache, hidden, final = verify(tokens_in[:, : length + 1], draft[:, :length], qp, cache, seeds)
         emitted, hidden, final = to_full_width(emitted, hidden, final)
         return n, emitted, cache, hidden, final
 
-    def plain_step(tokens_in, draft, q, cache, k_accept):
+    def plain_step(tokens_in, draft, q, cache, seeds):
         """One token without verification, padded to verify()'s shapes (drafts all rejected)."""
         h, cache, hidden = model.hidden(tokens_in[:, :1], cache, collect=collect)  # [B, 1, D]
-        tok = sample(k_accept, model.logits(h[:, 0]), samp)  # [B]
+        tok = sample(seeds, model.logits(h[:, 0]), samp)  # [B]
         emitted, hidden, final = to_full_width(tok[:, None], hidden, h if drafter.needs_final_hidden else None)
         return jnp.zeros((b,), jnp.int32), emitted, cache, hidden, final
 
-    key, k_draft, k_accept = jax.random.split(st.key, 3)
+    # Each row's randomness for this step, keyed by its seed and its own step count.
+    draft_seeds, verify_seeds = derive(st.seed, st.steps, STREAM_DRAFT), derive(st.seed, st.steps, STREAM_VERIFY)
     live = ~st.done
     last = jnp.take_along_axis(st.history, (st.hist_len - 1)[:, None], axis=1)  # [B, 1]
     if k > 0:
-        ctx = StepContext(st.history, st.hist_len, samp, k_draft, all_greedy, live, force_verify)
+        ctx = StepContext(st.history, st.hist_len, samp, draft_seeds, all_greedy, live, force_verify)
         proposal, dstate = drafter.propose(dparams, st.draft_state, ctx)
         draft, q = proposal.draft, proposal.q  # [B, K], [B, K, V] | None
         tokens_in = jnp.concatenate([last, draft], axis=1)  # [B, K+1]
-        operands = (tokens_in, draft, q, st.cache, k_accept)
+        operands = (tokens_in, draft, q, st.cache, verify_seeds)
         lengths = drafter.verify_lengths  # static, ascending, last = K
         if len(lengths) == 1 and proposal.active is None:
             width = jnp.asarray(k, jnp.int32)  # drafts verified this step
@@ -260,7 +260,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     else:
         draft, q, dstate = jnp.zeros((b, 0), jnp.int32), None, st.draft_state
         width = jnp.asarray(0, jnp.int32)
-        n, emitted, cache, hidden, final = verify(last, draft, q, st.cache, k_accept)
+        n, emitted, cache, hidden, final = verify(last, draft, q, st.cache, verify_seeds)
 
     # Truncate at the first stop token and at max_new; only live rows write.
     num_out = st.hist_len - prompt_len
@@ -289,7 +289,6 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
         hist_len=hist_len,
         done=done,
         stopped=stopped,
-        key=key,
         steps=st.steps + live,
         checked=st.checked + checked,
         accepted=st.accepted + (checked & (pos < n[:, None])),
@@ -297,12 +296,12 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
 
 
 def _decode(graphdef, params, dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final,
-            samp: SamplingArrays, max_new, stop_ids, key, *, drafter: Drafter, all_greedy: bool,
+            samp: SamplingArrays, max_new, stop_ids, seed, *, drafter: Drafter, all_greedy: bool,
             implementation: str):
     """max_new [B] int32; stop_ids [B, M] int32 (-1 padded). Returns the final LoopState."""
     model = nnx.merge(graphdef, params)
     state = init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final, samp, max_new,
-                       stop_ids, key, drafter=drafter, all_greedy=all_greedy, stat_width=drafter.num_draft)
+                       stop_ids, seed, drafter=drafter, all_greedy=all_greedy, stat_width=drafter.num_draft)
     step = partial(decode_step, model, dparams, drafter=drafter, all_greedy=all_greedy,
                    implementation=implementation)
     return jax.lax.while_loop(lambda st: ~jnp.all(st.done), step, state)
@@ -357,11 +356,7 @@ class Engine:
             stop_arr[i, : len(x)] = x
         samp = SamplingArrays.from_params(params)
         all_greedy = all(p.greedy for p in params)
-        seeds = {p.seed for p in params if not p.greedy}
-        if len(seeds) > 1:  # one random stream per batch: a second seed would be silently ignored
-            raise InvalidSamplingError(f"sampled rows of one batch must share a seed (one random stream per batch), "
-                                       f"got seeds {sorted(seeds)}; generate them in separate calls")
-        key = jax.random.key(seeds.pop() if seeds else params[0].seed)
+        seed = jnp.asarray([p.row_seed() for p in params], jnp.uint32)
         prompt, prompt_len = jnp.asarray(prompt), jnp.asarray(lens, jnp.int32)
         cap = max_new if max_new_cap is None else max_new_cap
         max_new_arr = jnp.asarray([min(p.max_new_tokens, cap) for p in params], jnp.int32)
@@ -371,9 +366,9 @@ class Engine:
             from jax.sharding import NamedSharding, PartitionSpec
 
             rows, repl = NamedSharding(self.mesh, PartitionSpec("data")), NamedSharding(self.mesh, PartitionSpec())
-            prompt, prompt_len, samp, max_new_arr, stop_arr = jax.device_put(
-                (prompt, prompt_len, samp, max_new_arr, stop_arr), rows)
-            key, dparams = jax.device_put((key, dparams), repl)
+            prompt, prompt_len, samp, max_new_arr, stop_arr, seed = jax.device_put(
+                (prompt, prompt_len, samp, max_new_arr, stop_arr, seed), rows)
+            dparams = jax.device_put(dparams, repl)
 
         pre_static = dict(cache_size=s, collect=drafter.hidden_layers, want_final=drafter.needs_final_hidden)
         pre = self._get("prefill", _prefill, pre_static, (), mp, prompt, prompt_len)
@@ -381,13 +376,13 @@ class Engine:
         c_shape, l_shape, h_shape, f_shape = pre.out_info
         dec_static = dict(drafter=drafter, all_greedy=all_greedy, implementation=self.implementation)
         dec = self._get("decode", _decode, dec_static, (2,), mp, dparams, c_shape, l_shape, prompt, prompt_len,
-                        h_shape, f_shape, samp, max_new_arr, stop_arr, key)
+                        h_shape, f_shape, samp, max_new_arr, stop_arr, seed)
         t0 = time.perf_counter()
         cache, last_logits, pre_hidden, pre_final = pre(mp, prompt, prompt_len)
         jax.block_until_ready(last_logits)
         t1 = time.perf_counter()
         st = dec(mp, dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final,
-                 samp, max_new_arr, stop_arr, key)
+                 samp, max_new_arr, stop_arr, seed)
         history = np.asarray(st.history)
         t2 = time.perf_counter()
         hist_len, stopped = np.asarray(st.hist_len), np.asarray(st.stopped)

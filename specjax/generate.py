@@ -160,8 +160,9 @@ def generate(
     """Generate a continuation for each prompt, batched.
 
     `prompts`: one prompt or a list (strings get the chat template unless `raw`; message lists;
-    token-id lists). `sampling`: one `SamplingParams` for all rows or one per row
-    (sampled rows must share a `seed`: a batch draws from one random stream).
+    token-id lists). `sampling`: one `SamplingParams` for all rows or one per row; each row
+    draws from its own stream of its `seed` (a fresh random one when None), whatever its
+    batch-mates.
     `max_new_tokens` overrides the sampling params' value. `mesh`: a `jax.sharding.Mesh` with a
     `data` axis to shard rows over (the number of prompts must be a multiple of its size).
     """

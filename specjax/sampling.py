@@ -12,16 +12,26 @@ that rejection sampling compares the two processed distributions):
 
 This matches HF transformers' default warper order (temperature, top-k, top-p). Settings are
 per-row arrays `[B]`, so one compiled loop serves rows with different settings.
+
+Randomness is per row, as in vLLM: row b draws from a counter-based stream keyed by its own seed,
+the row's step count and a stream id (the first token, drafts, verification), hashed into one
+uniform per (position, vocabulary index) with `pallas_kernels.rejection_sampling.hash_uniform`.
+A sampled row's text therefore depends on its prompt, settings and seed (and, when speculating,
+on which steps verified how many drafts), never on its batch-mates or its place in the batch;
+two rows with one prompt and one seed give one text. `seed=None` draws a fresh seed per row.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import secrets
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
+from pallas_kernels.rejection_sampling import hash_uniform, mix32
 from specjax.errors import InvalidSamplingError
 
 NEG_INF = -1e30  # finite, so 0 * masked stays 0 (no NaN) in f32 arithmetic
@@ -35,7 +45,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: int = 128
-    seed: int = 0
+    seed: int | None = None  # None: a fresh random seed per row (vLLM's and OpenAI's default)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
@@ -49,13 +59,31 @@ class SamplingParams:
             raise InvalidSamplingError(f"top_p must be in (0, 1], got {p!r}")
         if not isinstance(n, int) or n < 1:
             raise InvalidSamplingError(f"max_new_tokens must be an integer >= 1, got {n!r}")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
             raise InvalidSamplingError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def row_seed(self) -> int:
+        """The seed a row runs with: its own, or a fresh random one."""
+        return secrets.randbits(32) if self.seed is None else self.seed
+
+
+# Stream ids of a row's randomness within one step (see the module docstring).
+STREAM_SAMPLE, STREAM_DRAFT, STREAM_VERIFY = 1, 2, 3
+FIRST_TOKEN = 0xFFFFFFFF  # the step counter of the first token, sampled after the prefill
+
+
+def derive(seeds: jax.Array, *words) -> jax.Array:
+    """Seeds `[B]` uint32 hashed with counters/stream ids (scalars or `[B]`) -> `[B]` uint32:
+    independent streams for every distinct word sequence."""
+    x = jnp.asarray(seeds).astype(jnp.uint32)
+    for w in words:
+        x = mix32(x ^ mix32(jnp.asarray(w, jnp.uint32) * jnp.uint32(0x9E3779B9) + jnp.uint32(0x632BE5AB)))
+    return x
 
 
 @struct.dataclass
@@ -124,12 +152,21 @@ def target_probs(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     return jnp.where(greedy, onehot, jax.nn.softmax(x, axis=-1))
 
 
-def sample(key: jax.Array, logits: jax.Array, s: SamplingArrays) -> jax.Array:
-    """Draw one token per position. logits `[B, ..., V]` -> tokens `[B, ...]` int32."""
+def sample(seeds: jax.Array, logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Draw one token per position from each row's stream. seeds `[B]` uint32; logits
+    `[B, ..., V]` -> tokens `[B, ...]` int32.
+
+    Gumbel-max: argmax(x_v - log E_v), E_v = -log u_v, with u from (row seed, position index,
+    vocabulary index); masked entries (NEG_INF) never win.
+    """
     best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(_):  # skipped at run time for all-greedy batches (a vocab-sized random draw)
-        drawn = jax.random.categorical(key, process_logits(logits, s), axis=-1).astype(jnp.int32)
+        mid = logits.shape[1:-1]
+        pos = jnp.arange(int(np.prod(mid)), dtype=jnp.int32).reshape((1, *mid, 1))  # [1, ..., 1]
+        voc = jnp.arange(logits.shape[-1], dtype=jnp.int32)  # [V]
+        u = hash_uniform(_expand(jnp.asarray(seeds, jnp.uint32), logits.ndim), pos, voc)  # [B, ..., V]
+        drawn = jnp.argmax(process_logits(logits, s) - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
         return jnp.where(_expand(s.temperature, logits.ndim - 1) <= 0, best, drawn)
 
     return jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda _: best, None)

@@ -144,11 +144,11 @@ def test_gated_proposal_drafts_past_the_first_token_only_when_a_verify_will_run(
     b, k = 2, 4
     st = Eagle3State(weights.module().new_cache(b, 32).with_lengths(jnp.array([5, 7])),
                      jnp.asarray(np.random.RandomState(5).randn(b, target.config.hidden_size), jnp.float32))
-    hist, key = jnp.zeros((b, 32), jnp.int32), jax.random.PRNGKey(0)
+    hist, seeds = jnp.zeros((b, 32), jnp.int32), jnp.zeros((b,), jnp.uint32)
 
     def propose(gate, live, force=False):
         d = Eagle3Drafter(k, weights, target, min_confidence=gate)
-        ctx = StepContext(hist, jnp.array([6, 8]), None, key, True, live, force)
+        ctx = StepContext(hist, jnp.array([6, 8]), None, seeds, True, live, force)
         prop, new = d.propose(d.params(), st, ctx)
         stepped = any(not np.array_equal(a, c) for a, c in zip(jax.tree.leaves(new.cache), jax.tree.leaves(st.cache)))
         return np.asarray(prop.draft), stepped

@@ -137,15 +137,6 @@ def test_api_prompt_of_the_wrong_type(tiny_model, prompts):
         specjax.generate(prompts, model=tiny_model, max_new_tokens=2)
 
 
-def test_api_sampled_rows_with_different_seeds(tiny_model):
-    """A batch draws from one random stream: per-row seeds that differ are refused, not ignored."""
-    rows = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=2) for s in (1, 2)]
-    with pytest.raises(InvalidSamplingError, match="share a seed"):
-        specjax.generate([[1, 2], [3, 4]], model=tiny_model, sampling=rows)
-    greedy_and_sampled = [SamplingParams(seed=5, max_new_tokens=2), SamplingParams(temperature=1.0, seed=2, max_new_tokens=2)]
-    assert len(specjax.generate([[1, 2], [3, 4]], model=tiny_model, sampling=greedy_and_sampled)) == 2
-
-
 # ---- CLI ---------------------------------------------------------------------------------------
 
 

@@ -1,7 +1,6 @@
 """The n-gram drafter's proposals and `active` flag, and the engine's plain-step path for steps
 where no row has drafts worth verifying."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -21,7 +20,7 @@ def propose(drafter, rows, full=False):
     for i, r in enumerate(rows):
         hist[i, : len(r)] = r
     ctx = StepContext(jnp.asarray(hist), jnp.asarray([len(r) for r in rows], jnp.int32),
-                      SamplingArrays.from_params([SamplingParams()] * len(rows)), jax.random.key(0), True)
+                      SamplingArrays.from_params([SamplingParams()] * len(rows)), jnp.zeros((len(rows),), jnp.uint32), True)
     proposal, _ = drafter.propose(None, (), ctx)
     if full:
         return proposal

@@ -254,8 +254,8 @@ def test_greedy_accept_fast_path_matches_sampler():
             drafts[i, j] = (drafts[i, j] + 1) % v
     drafts = jnp.asarray(drafts, jnp.int32)
     samp = SamplingArrays(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b))
-    n1, t1 = accept(logits, drafts, None, samp, jax.random.key(1), all_greedy=True)
-    n2, t2 = accept(logits, drafts, None, samp, jax.random.key(1), all_greedy=False, implementation="reference")
+    n1, t1 = accept(logits, drafts, None, samp, jnp.arange(b, dtype=jnp.uint32), all_greedy=True)
+    n2, t2 = accept(logits, drafts, None, samp, jnp.arange(b, dtype=jnp.uint32), all_greedy=False, implementation="reference")
     np.testing.assert_array_equal(np.asarray(n1), np.asarray(n2))
     np.testing.assert_array_equal(np.asarray(t1), np.asarray(t2))
 

@@ -6,6 +6,7 @@ tokens (every path through the model) and compare it with many independent rows 
 by a G-test (alpha = 1e-3, Bonferroni over the laws tested here).
 """
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +88,8 @@ def test_sampled_speculative_output_has_target_law(models, which, setting):
     else:
         drafter = DraftModelDrafter(2, draft, target.config,
                                     draft_vocab=DRAFT_VOCAB if which == "draft_vocab" else None)
-    rows = Engine(target).generate([PROMPT] * N_ROWS, [sp] * N_ROWS, drafter=drafter)
+    seeded = [dataclasses.replace(sp, seed=sp.seed * N_ROWS + i) for i in range(N_ROWS)]  # independent rows: one stream each
+    rows = Engine(target).generate([PROMPT] * N_ROWS, seeded, drafter=drafter)
     assert all(len(r.token_ids) == 3 for r in rows)
     law3 = exact_law(target, PROMPT, sp, 3)
     # joint law of the first two tokens (crosses a verify step boundary when drafts are rejected)
@@ -112,3 +114,37 @@ def test_sampled_speculative_output_has_target_law(models, which, setting):
         acc = sum(sum(r.accepted) for r in rows)
         chk = sum(sum(r.checked) for r in rows)
         assert 0 < acc < chk
+
+
+# ---- per-row random streams (specjax/sampling.py) ----------------------------------------------
+
+def test_a_sampled_row_depends_on_its_seed_not_on_its_batch(models):
+    """A row draws from its own seed's stream: alone, or at another index of a larger batch beside
+    other prompts, settings and seeds, it emits the same tokens; with plain decoding and with a
+    drafter that verifies every step (its draft/verify schedule is the row's own). Rows with one
+    prompt and one seed agree; other seeds give other texts."""
+    target, draft = models
+    engine = Engine(target)
+    row = SamplingParams(temperature=1.0, max_new_tokens=12, seed=77)
+    mates = [SamplingParams(temperature=0.7, top_k=6, max_new_tokens=5, seed=3), SamplingParams(max_new_tokens=9)]
+    for drafter in (None, DraftModelDrafter(2, draft, target.config)):
+        alone = engine.generate([PROMPT], [row], drafter=drafter)[0].token_ids
+        batch = engine.generate([[1, 2, 3], [4, 5, 6, 7, 8, 9], PROMPT, PROMPT], mates + [row, row], drafter=drafter)
+        assert batch[2].token_ids == alone and batch[3].token_ids == alone
+        others = engine.generate([PROMPT] * 8, [dataclasses.replace(row, seed=s) for s in range(8)], drafter=drafter)
+        assert len({tuple(r.token_ids) for r in others}) > 1
+
+
+def test_unseeded_rows_draw_fresh_streams(models):
+    """`seed=None` (the default) draws a fresh seed per row, so copies of one prompt differ, as in
+    vLLM; an explicit seed reproduces the text across calls."""
+    import specjax
+
+    target, _ = models
+    free = SamplingParams(temperature=1.0, max_new_tokens=12)
+    assert free.seed is None
+    texts = {tuple(r.token_ids) for r in specjax.generate([PROMPT] * 6, model=target, sampling=free)}
+    assert len(texts) > 1
+    seeded = dataclasses.replace(free, seed=9)
+    again = [specjax.generate([PROMPT], model=target, sampling=seeded)[0].token_ids for _ in range(2)]
+    assert again[0] == again[1]

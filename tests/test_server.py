@@ -112,13 +112,16 @@ def test_openai_client_matches_specjax_generate(server):
     assert server.sched.engine.compiles_after_warmup == 0
 
 
-def test_unseeded_requests_draw_independent_first_tokens(server):
-    """Without a seed every request gets its own random stream: the first token is drawn at
-    prefill from the request's key, which used to come from seed 0 for every request."""
+def test_unseeded_requests_draw_independent_streams_and_seeded_ones_repeat(server):
+    """Without a seed every request draws a fresh seed (it used to be seed 0 for every request);
+    with one, a request repeats its text whatever else is being served."""
     oa = client(server.url)
     first = [oa.completions.create(model=NAME, prompt="Hi", max_tokens=1, temperature=1.0).choices[0].text
              for _ in range(4)]
     assert len(set(first)) > 1, first  # a near-uniform random model: 4 equal draws ~ 1e-13
+    seeded = [oa.completions.create(model=NAME, prompt="Hi", max_tokens=8, temperature=1.0, seed=2**40 + 7)
+              .choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
 
 
 def test_models_health_metrics_and_classes(server):

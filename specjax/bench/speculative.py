@@ -130,8 +130,11 @@ def run_config(engine: Engine, batches, sampling: SamplingParams, drafter) -> Ru
     seconds = 0.0
     k = drafter.num_draft
     checked, accepted = np.zeros(k), np.zeros(k)
-    for batch in batches:
-        out = engine.generate(batch, [sampling] * len(batch), engine.model.config.eos_token_ids, drafter)
+    row = 0
+    for batch in batches:  # rows get seeds of their own: a prompt cycled into a batch twice differs
+        params = [dataclasses.replace(sampling, seed=(sampling.seed or 0) + row + j) for j in range(len(batch))]
+        row += len(batch)
+        out = engine.generate(batch, params, engine.model.config.eos_token_ids, drafter)
         seconds += out[0].prefill_seconds + out[0].decode_seconds
         for r in out:
             tokens += len(r.token_ids)
@@ -177,12 +180,12 @@ def _verify_fn(graphdef, collect: tuple):
 
 @functools.cache
 def _propose_fn(drafter, greedy: bool):
-    return jax.jit(lambda dp, st, h, n, samp, key: drafter.propose(dp, st, StepContext(h, n, samp, key, greedy)))
+    return jax.jit(lambda dp, st, h, n, samp, seeds: drafter.propose(dp, st, StepContext(h, n, samp, seeds, greedy)))
 
 
 @functools.cache
 def _accept_fn(greedy: bool, implementation: str):
-    return jax.jit(lambda lg, d, q, samp, key: accept(lg, d, q, samp, key, greedy, implementation))
+    return jax.jit(lambda lg, d, q, samp, seeds: accept(lg, d, q, samp, seeds, greedy, implementation))
 
 
 def component_times(engine: Engine, drafter, prompt_ids: list[int], sampling: SamplingParams, batch: int = 1,
@@ -198,13 +201,13 @@ def component_times(engine: Engine, drafter, prompt_ids: list[int], sampling: Sa
     dparams = drafter.params()
     cache, first, history, hlen, dstate = _setup_fn(model.graphdef, drafter, s, greedy)(
         model.params, dparams, prompt, plen, samp)
-    key = jax.random.key(0)
+    seeds = jnp.arange(batch, dtype=jnp.uint32)  # [B]
     out = {}
     if k > 0:
         propose = _propose_fn(drafter, greedy)
-        proposal, _ = propose(dparams, dstate, history, hlen, samp, key)
+        proposal, _ = propose(dparams, dstate, history, hlen, samp, seeds)
         draft, q = proposal.draft, proposal.q  # [B, K], [B, K, V] | None
-        out["draft"] = timed(lambda: jax.block_until_ready(propose(dparams, dstate, history, hlen, samp, key)),
+        out["draft"] = timed(lambda: jax.block_until_ready(propose(dparams, dstate, history, hlen, samp, seeds)),
                              repeats)
     else:
         draft, q = jnp.zeros((batch, 0), jnp.int32), None
@@ -214,8 +217,8 @@ def component_times(engine: Engine, drafter, prompt_ids: list[int], sampling: Sa
     vlogits = vf(model.params, tokens_in, cache)
     out["verify"] = timed(lambda: jax.block_until_ready(vf(model.params, tokens_in, cache)), repeats)
     af = _accept_fn(greedy, engine.implementation)
-    jax.block_until_ready(af(vlogits, draft, q, samp, key))
-    out["accept"] = timed(lambda: jax.block_until_ready(af(vlogits, draft, q, samp, key)), repeats)
+    jax.block_until_ready(af(vlogits, draft, q, samp, seeds))
+    out["accept"] = timed(lambda: jax.block_until_ready(af(vlogits, draft, q, samp, seeds)), repeats)
     return out
 
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.sampling import SamplingArrays, sample, target_probs
+from specjax.sampling import SamplingArrays, derive, sample, target_probs
 
 
 @struct.dataclass
@@ -61,7 +61,7 @@ class StepContext:
     history: jax.Array  # [B, S] int32
     hist_len: jax.Array  # [B] int32
     sampling: SamplingArrays
-    key: jax.Array
+    seeds: jax.Array  # [B] uint32, each row's seed for this step's drafts (`draft_token(..., i)`)
     all_greedy: bool = struct.field(pytree_node=False)
     # What the engine verifies: a step runs the (K+1)-token pass iff `force_verify` or some live
     # row's proposal is active. A gated drafter may stop drafting early when it sees the pass will
@@ -131,18 +131,19 @@ def head_rows(head: jax.Array, d2t) -> jax.Array:
     return head if d2t is None else jnp.take(head, d2t, axis=0)
 
 
-def draft_token(key, logits: jax.Array, d2t, vocab_size: int, sampling, all_greedy: bool):
-    """Logits over the drafter's vocabulary (`[B, N]` for a draft vocabulary `d2t [N]`, `[B, V]`
-    when `d2t` is None) -> target-vocabulary token `[B]` and q `[B, V]` (None when all rows are
-    greedy). Tokens outside the draft vocabulary get q = 0: a valid proposal, so rejection
+def draft_token(seeds, i: int, logits: jax.Array, d2t, vocab_size: int, sampling, all_greedy: bool):
+    """Draft i of a step. Logits over the drafter's vocabulary (`[B, N]` for a draft vocabulary
+    `d2t [N]`, `[B, V]` when `d2t` is None) -> target-vocabulary token `[B]`, drawn from the rows'
+    step seeds `[B]`, and q `[B, V]` (None when all rows are greedy). Tokens outside the draft vocabulary get q = 0: a valid proposal, so rejection
     sampling stays lossless; they are only never drafted."""
+    seeds = derive(seeds, i)
     if d2t is None:
-        return sample(key, logits, sampling), None if all_greedy else target_probs(logits, sampling)
+        return sample(seeds, logits, sampling), None if all_greedy else target_probs(logits, sampling)
     if all_greedy:
         return d2t[jnp.argmax(logits, axis=-1)], None
     full = jnp.full((logits.shape[0], vocab_size), -jnp.inf, jnp.float32)
     full = full.at[:, d2t].set(logits)  # [B, V]
-    return sample(key, full, sampling), target_probs(full, sampling)
+    return sample(seeds, full, sampling), target_probs(full, sampling)
 
 
 def vocab_maps(counts: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:

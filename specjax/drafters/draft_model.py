@@ -156,8 +156,6 @@ class DraftModelDrafter(Drafter):
         hist, length = ctx.history, ctx.hist_len
         start = length - 2  # == cache.lengths
         two = jnp.take_along_axis(hist, start[:, None] + jnp.arange(2)[None], axis=1)  # [B, 2]
-        keys = jax.random.split(ctx.key, self.num_draft)
-
         h, cache, _ = m.hidden(two, cache)  # [B, 2, D]
         h = h[:, 1]  # [B, D]
         cache = cache.advance(2)
@@ -168,7 +166,7 @@ class DraftModelDrafter(Drafter):
                 h = h1[:, 0]
                 cache = cache.advance(1)
             logits = linear(dparams["head"], h, jnp.float32)  # [B, N or V]
-            tok, q = draft_token(keys[i], logits, dparams["d2t"], self.model.config.vocab_size, ctx.sampling,
+            tok, q = draft_token(ctx.seeds, i, logits, dparams["d2t"], self.model.config.vocab_size, ctx.sampling,
                                  ctx.all_greedy)  # [B], [B, V] | None
             drafts.append(tok.astype(jnp.int32))
             qs.append(q)

@@ -232,9 +232,10 @@ class Eagle3Drafter(Drafter):
     def params(self):
         return {"net": self.weights.params, "d2t": self.weights.d2t, "embed": self.target.params["embed"][...]}
 
-    def _draft_token(self, dparams, logits, key, ctx):
-        """Draft-vocab logits `[B, N]` -> target-vocab token `[B]` and q `[B, V]` (None if greedy)."""
-        return draft_token(key, logits, dparams["d2t"], self.target.config.vocab_size, ctx.sampling,
+    def _draft_token(self, dparams, logits, i, ctx):
+        """Draft i's draft-vocab logits `[B, N]` -> target-vocab token `[B]` and q `[B, V]` (None
+        if greedy)."""
+        return draft_token(ctx.seeds, i, logits, dparams["d2t"], self.target.config.vocab_size, ctx.sampling,
                                  ctx.all_greedy)
 
     def init(self, dparams, ctx: InitContext):
@@ -251,9 +252,8 @@ class Eagle3Drafter(Drafter):
 
     def propose(self, dparams, st: Eagle3State, ctx: StepContext):
         net = nnx.merge(self.weights.graphdef, dparams["net"])
-        keys = jax.random.split(ctx.key, self.num_draft)
         logits = net.logits(st.g_last)  # [B, N]
-        d1, q1 = self._draft_token(dparams, logits, keys[0], ctx)
+        d1, q1 = self._draft_token(dparams, logits, 0, ctx)
         d1 = d1.astype(jnp.int32)
         active = None
         if self.min_confidence > 0:
@@ -267,7 +267,7 @@ class Eagle3Drafter(Drafter):
                 emb = jnp.take(dparams["embed"], drafts[-1], axis=0)[:, None].astype(g.dtype)  # [B, 1, D]
                 g1, cache = net.step(emb, g[:, None], cache)
                 cache, g = cache.advance(1), g1[:, 0]
-                tok, q = self._draft_token(dparams, net.logits(g), keys[i], ctx)
+                tok, q = self._draft_token(dparams, net.logits(g), i, ctx)
                 drafts.append(tok.astype(jnp.int32))
                 qs.append(q)
             q = None if ctx.all_greedy else jnp.stack(qs, axis=1)  # [B, K, V]

@@ -266,11 +266,10 @@ class MTPDrafter(Drafter):
         return drafts, all_logits, cache
 
     def propose(self, dparams, st: MTPState, ctx: StepContext):
-        keys = jax.random.split(ctx.key, self.num_draft)
         qs = []  # [B, V] per draft, None when greedy
 
         def choose(k, logits):
-            tok, q = draft_token(keys[k - 1], logits, dparams["d2t"], self.target.config.vocab_size, ctx.sampling,
+            tok, q = draft_token(ctx.seeds, k - 1, logits, dparams["d2t"], self.target.config.vocab_size, ctx.sampling,
                                  ctx.all_greedy)
             qs.append(q)
             return tok

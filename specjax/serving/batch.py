@@ -2,7 +2,8 @@
 
 Input rows are `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`, optionally
 with their own `temperature`, `top_k`, `top_p`, `max_new_tokens` (or OpenAI's `max_tokens`), `seed`
-(the CLI flags give the defaults); other fields are ignored, and the job names them once on
+(the CLI flags give the defaults; a row without a seed gets one derived from the job's `--seed`
+and its input line, so rows with one prompt still differ and a rerun draws the same); other fields are ignored, and the job names them once on
 stderr. Output rows are `{"id", "line", "text", "token_ids", "finish_reason", "stats"}`, the
 fields of `specjax generate --json` plus the input line number, in completion order (merged
 multi-process outputs are in input order).
@@ -14,8 +15,8 @@ nothing:
   partial line (a crash mid-write) is truncated away; ids already in the output are done;
 * the batches are planned from the input and the settings alone, never from what is done: a
   batch with some rows done is run whole again and only its missing rows are written. Every row
-  is therefore computed in the same batch, with the same shapes and random key, as in an
-  uninterrupted run: resumed outputs equal uninterrupted ones bit for bit, sampled rows too.
+  is therefore computed in the same batch, with the same shapes and seed, as in an uninterrupted
+  run: resumed outputs equal uninterrupted ones bit for bit, sampled rows too.
   Whether a batch speculates (`--spec-throttle`, batch_throttle.py) is recorded before it runs
   and reused when it runs again.
 
@@ -23,12 +24,12 @@ Bad rows (invalid JSON, no id, no prompt, duplicate id, a prompt over the contex
 sampling values) go to `<output>.errors.jsonl` as `{"line", "id", "reason"}` and the job goes
 on. Validation is a pure function of the input, so the errors file is rewritten on each run.
 
-Batching: rows are grouped by what one compiled batch must share (greedy rows; sampled rows per
-seed, since the engine draws one key per batch), sorted by prompt length within a group (fewer
-prompt buckets, rows that finish together) and cut into batches of `--batch-size`. Each batch is
-padded to a power of two rows (and a multiple of the mesh's `data` size) so few shapes compile.
-Sampled batches draw from a key derived from the rows' seed and the batch's first input line,
-so batches do not share random streams and reruns reproduce them.
+Batching: greedy and sampled rows are batched apart (all-greedy batches compile a greedy-only
+accept step), sorted by prompt length within a group (fewer prompt buckets, rows that finish
+together) and cut into batches of `--batch-size`. Each batch is padded to a power of two rows (and
+a multiple of the mesh's `data` size) so few shapes compile. Every row draws from its own seed's
+stream, so a sampled row's text does not depend on its batch-mates or `--batch-size` (only, when
+the batch speculates, on its K).
 
 Devices and hosts: see `scaleout.py`.
 """
@@ -173,12 +174,19 @@ def parse_row(line: int, raw: bytes, defaults, ignored: dict[str, int] | None = 
             kw[f] = v
     if "seed" in kw and (not isinstance(kw["seed"], int) or not 0 <= kw["seed"] < 2**32):
         return BadRow(line, rid, f"seed must be an integer in [0, 2**32), got {kw['seed']!r}")
+    if "seed" not in kw:  # the job's seed (0 when unset) and the line: a rerun draws the same
+        kw["seed"] = line_seed(defaults.seed or 0, line)
     try:
-        sampling = dataclasses.replace(defaults, **kw) if kw else defaults
+        sampling = dataclasses.replace(defaults, **kw)
     except SpecjaxError as e:  # SamplingParams validates on construction
         return BadRow(line, rid, str(e))
     assert isinstance(sampling, SamplingParams)
     return JobRow(line, rid, prompt, sampling)
+
+
+def line_seed(job_seed: int, line: int) -> int:
+    """The seed of a row without its own: a hash of the job's seed and the row's input line."""
+    return int.from_bytes(hashlib.blake2b(f"{job_seed}:{line}".encode(), digest_size=4).digest(), "little")
 
 
 def parse_input(lines: list[tuple[int, bytes]], defaults, ignored: dict[str, int] | None = None
@@ -288,7 +296,7 @@ def plan_batches(rows: list[JobRow], batch_size: int, data: int = 1) -> list[tup
     """
     groups: dict[tuple, list[JobRow]] = {}
     for r in rows:
-        key = ("greedy",) if r.sampling.greedy else ("sampled", r.sampling.seed)
+        key = ("greedy",) if r.sampling.greedy else ("sampled",)
         groups.setdefault(key, []).append(r)
     out = []
     for g in groups.values():
@@ -310,13 +318,9 @@ def batch_rows(n: int, batch_size: int, data: int = 1) -> int:
 
 def batch_inputs(batch: list[JobRow], size: int) -> tuple[list[list[int]], list]:
     """Token ids and sampling params of a batch padded to `size` rows. Pad rows repeat the first
-    prompt for one token (they are done after the prefill); sampled batches get a key seed
-    derived from the rows' seed and the first input line (the engine keys a batch by its first
-    row's seed)."""
-    first = batch[0].sampling
-    seed = first.seed if first.greedy else (first.seed * 1_000_003 + batch[0].line) % 2**31
-    params = [dataclasses.replace(r.sampling, seed=seed) for r in batch]
-    params += [dataclasses.replace(first, seed=seed, max_new_tokens=1)] * (size - len(batch))
+    row for one token (they are done after the prefill)."""
+    params = [r.sampling for r in batch]
+    params += [dataclasses.replace(batch[0].sampling, max_new_tokens=1)] * (size - len(batch))
     ids = [r.token_ids for r in batch] + [batch[0].token_ids] * (size - len(batch))
     return ids, params
 

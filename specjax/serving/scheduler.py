@@ -21,9 +21,10 @@ One iteration of the loop:
    monitor and the metrics see the chunk's deltas; the batch shrinks to a smaller bucket when the
    live rows have fitted one for two chunks and nothing is queued.
 
-Sampled rows draw from the batch's random stream (the first token from a per-request key folded
-from its seed): output laws are exact, but a sampled request's text depends on its batch-mates.
-Greedy output is token-identical to plain decoding whatever K, bucket or slot a row runs with.
+Each row draws from its own random stream, keyed by its request's seed and its own step count
+(specjax/sampling.py): output laws are exact, and a sampled request's text does not depend on its
+batch-mates, bucket or slot, only, while it speculates, on the K of its steps. Greedy output is
+token-identical to plain decoding whatever K, bucket or slot a row runs with.
 """
 
 from __future__ import annotations
@@ -388,7 +389,7 @@ class Scheduler:
         else:
             req.admitted = now
             try:
-                row = self.engine.prefill(req.prompt_ids, req.sampling, req.stop_ids, seed=req.sampling.seed)
+                row = self.engine.prefill(req.prompt_ids, req.sampling, req.stop_ids)
             except Exception as e:
                 self._finish(req, "error", f"prefill failed: {type(e).__name__}: {e}")
                 return

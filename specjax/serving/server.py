@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import secrets
 import socket
 import threading
 import time
@@ -95,9 +94,7 @@ def parse_sampling(body: dict, default_max: int | None) -> tuple[SamplingParams,
     max_tokens = _number(body, name, None, integer=True)
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(f"'{name}' must be >= 1, got {max_tokens}", name)
-    seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
-    if seed is None:  # no seed: an independent random stream per request (OpenAI's semantics)
-        seed = secrets.randbits(31)
+    seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)  # None: a fresh stream per request
     stop = body.get("stop")
     if stop is None:
         stops = []
@@ -115,7 +112,7 @@ def parse_sampling(body: dict, default_max: int | None) -> tuple[SamplingParams,
     given = max_tokens is not None
     sp = SamplingParams(temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
                         max_new_tokens=max_tokens if given else max(default_max or 1, 1),
-                        seed=seed % 2**31, ignore_eos=ignore_eos)
+                        seed=None if seed is None else seed % 2**32, ignore_eos=ignore_eos)
     return sp, stops, given
 
 

@@ -72,23 +72,21 @@ def _take_row(big, like, slot):
     return jax.lax.dynamic_slice_in_dim(v, slot, 1, axis=0)[0]
 
 
-def _prefill_row(params, dparams, prompt, prompt_len, samp, max_new, stop_ids, key, *, graphdef, cache_size,
+def _prefill_row(params, dparams, prompt, prompt_len, samp, max_new, stop_ids, seed, *, graphdef, cache_size,
                  drafter, stat_width):
-    """prompt [1, T] -> a one-row LoopState (key None: the batch's key lives in the big state)."""
+    """prompt [1, T] -> a one-row LoopState."""
     cache, logits, hidden, final = _prefill(graphdef, params, prompt, prompt_len, cache_size=cache_size,
                                             collect=drafter.hidden_layers, want_final=drafter.needs_final_hidden)
-    st = init_state(dparams, cache, logits, prompt, prompt_len, hidden, final, samp, max_new, stop_ids, key,
-                    drafter=drafter, all_greedy=False, stat_width=stat_width)
-    return st.replace(key=None)
+    return init_state(dparams, cache, logits, prompt, prompt_len, hidden, final, samp, max_new, stop_ids, seed,
+                      drafter=drafter, all_greedy=False, stat_width=stat_width)
 
 
 def _insert(state, slot, row):
-    rows = jax.tree.map(lambda b, s: _put_row(b, s, slot), state.replace(key=None), row)
-    return rows.replace(key=state.key)
+    return jax.tree.map(lambda b, s: _put_row(b, s, slot), state, row)
 
 
 def _extract(state, slot, like):
-    return jax.tree.map(lambda b, s: _take_row(b, s, slot), state.replace(key=None), like)
+    return jax.tree.map(lambda b, s: _take_row(b, s, slot), state, like)
 
 
 def _run_chunk(params, dparams, state, n_steps, exit_on_finish, force_verify, *, graphdef, drafter, implementation):
@@ -116,7 +114,7 @@ class SlotEngine:
     """Compiled slot operations for one target, one drafter family, a set of K and batch buckets."""
 
     def __init__(self, model: Model, drafter: Drafter | None, ks=(0,), buckets=(1, 2, 4, 8),
-                 max_seq_len: int | None = None, implementation: str = "auto", key_seed: int = 0):
+                 max_seq_len: int | None = None, implementation: str = "auto"):
         drafter = drafter or NoDrafter()
         self.ks = tuple(sorted({int(k) for k in ks}))
         if not self.ks or self.ks[0] < 0:
@@ -148,7 +146,6 @@ class SlotEngine:
         self.compiles_after_warmup = 0
         self.step_costs: dict[int, dict[int, float]] = {}  # bucket -> K -> seconds per step
         self.timing_verified: dict[int, dict[int, float]] = {}  # fraction of timed steps that verified
-        self._key_data = np.asarray(jax.random.key_data(jax.random.key(key_seed)))  # never donated
         self._row_like = None
 
     # ---- compiled functions --------------------------------------------------------------------
@@ -177,7 +174,7 @@ class SlotEngine:
                 return out
             t *= 2
 
-    def row_inputs(self, prompt_ids: list[int], sampling: SamplingParams, stop_ids, seed: int):
+    def row_inputs(self, prompt_ids: list[int], sampling: SamplingParams, stop_ids):
         t = self.prompt_bucket(len(prompt_ids))
         prompt = np.zeros((1, t), np.int32)
         prompt[0, : len(prompt_ids)] = prompt_ids
@@ -185,44 +182,40 @@ class SlotEngine:
         stops[0, : len(stop_ids)] = list(stop_ids)[:STOP_WIDTH]
         return (jnp.asarray(prompt), jnp.asarray([len(prompt_ids)], jnp.int32), SamplingArrays.from_params([sampling]),
                 jnp.asarray([sampling.max_new_tokens], jnp.int32), jnp.asarray(stops),
-                jax.random.fold_in(self.new_key(), seed))
+                jnp.asarray([sampling.row_seed()], jnp.uint32))
 
-    def prefill(self, prompt_ids: list[int], sampling: SamplingParams, stop_ids=(), seed: int = 0) -> LoopState:
-        """One request -> a one-row state (first token sampled, drafter initialised)."""
+    def prefill(self, prompt_ids: list[int], sampling: SamplingParams, stop_ids=()) -> LoopState:
+        """One request -> a one-row state (first token sampled, drafter initialised); the row
+        draws from its own stream (`sampling.seed`, or a fresh one when None)."""
         if len(prompt_ids) + sampling.max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt {len(prompt_ids)} + max_new_tokens {sampling.max_new_tokens} > "
                              f"max_seq_len {self.max_seq_len}")
         if len(stop_ids) > STOP_WIDTH:
             raise ValueError(f"at most {STOP_WIDTH} stop ids per row")
-        args = (self.params, self.dparams) + self.row_inputs(prompt_ids, sampling, stop_ids, seed)
+        args = (self.params, self.dparams) + self.row_inputs(prompt_ids, sampling, stop_ids)
         static = dict(graphdef=self.model.graphdef, cache_size=self.cache_size, drafter=self.variants[self.kmax],
                       stat_width=self.stat_width)
         return self._get("prefill", _prefill_row, static, (), *args)(*args)
 
-    def new_key(self):
-        """A fresh device copy of the base key (states are donated, keys with them)."""
-        return jax.random.wrap_key_data(jnp.array(self._key_data))
-
     def row_like(self):
         """Abstract shapes of a one-row state (for extract and empty states)."""
         if self._row_like is None:
-            args = (self.params, self.dparams) + self.row_inputs([0], SamplingParams(max_new_tokens=1), (), 0)
+            args = (self.params, self.dparams) + self.row_inputs([0], SamplingParams(max_new_tokens=1, seed=0), ())
             fn = partial(_prefill_row, graphdef=self.model.graphdef, cache_size=self.cache_size,
                          drafter=self.variants[self.kmax], stat_width=self.stat_width)
             self._row_like = jax.eval_shape(fn, *args)
         return self._row_like
 
-    def empty(self, b: int, key=None) -> LoopState:
+    def empty(self, b: int) -> LoopState:
         """B free slots: done rows (they write nothing) with harmless contents."""
         like = self.row_like()
         st = jax.tree.map(lambda x: jnp.zeros((b * x.shape[0],) + x.shape[1:], x.dtype), like)
         return st.replace(done=jnp.ones((b,), bool), hist_len=jnp.ones((b,), jnp.int32),
-                          max_new=jnp.ones((b,), jnp.int32), stop_ids=jnp.full((b, STOP_WIDTH), -1, jnp.int32),
-                          key=self.new_key() if key is None else key)
+                          max_new=jnp.ones((b,), jnp.int32), stop_ids=jnp.full((b, STOP_WIDTH), -1, jnp.int32))
 
     def free_row(self) -> LoopState:
         """A one-row free slot, inserted to evict a row (cancelled requests)."""
-        return self.empty(1).replace(key=None)  # one row of B = 1 is a one-row state
+        return self.empty(1)  # one row of B = 1 is a one-row state
 
     def insert(self, state: LoopState, slot: int, row: LoopState) -> LoopState:
         return self._get("insert", _insert, {}, (0,), state, jnp.int32(slot), row)(state, jnp.int32(slot), row)
@@ -243,7 +236,7 @@ class SlotEngine:
     def resize(self, state: LoopState, slots: list[int], b: int) -> LoopState:
         """A state of b slots holding the rows of `slots` (in that order) at slots 0.."""
         assert len(slots) <= b
-        new = self.empty(b, key=state.key)
+        new = self.empty(b)
         for j, s in enumerate(slots):
             new = self.insert(new, j, self.extract(state, s))
         return new
