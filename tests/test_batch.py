@@ -202,6 +202,31 @@ def test_sampled_rows_do_not_depend_on_the_batch_size(model, job_input, referenc
     assert_same(rows, reference, list(reference))
 
 
+def test_rerun_with_other_settings_is_refused(model, job_input, reference, tmp_path):
+    """A rerun that changes what the results mean (here the temperature, max_new_tokens) is
+    refused and leaves the output alone; one that changes only the drafter and batch size (the
+    target's law either way) resumes."""
+    import dataclasses
+
+    from specjax.errors import SpecjaxError
+    from specjax.serving.batch import run_batch
+
+    out = tmp_path / "res.jsonl"
+    rows = [r for r in job_rows() if "temperature" not in r]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    first = config(model, inp, out)
+    run_batch(dataclasses.replace(first, limit=6))
+    before = out.read_bytes()
+    other = dataclasses.replace(first.sampling, temperature=0.5, max_new_tokens=MAX_NEW + 1)
+    with pytest.raises(SpecjaxError, match=r"temperature=0.0, max_new_tokens=8; this run has temperature=0.5, "
+                                           r"max_new_tokens=9"):
+        run_batch(dataclasses.replace(first, sampling=other))
+    assert out.read_bytes() == before
+    summary = run_batch(dataclasses.replace(first, drafter="ngram", num_draft=3, batch_size=2))
+    assert summary["already"] == 6 and summary["written"] == len(rows) - 6
+    assert_same(read_rows(out), reference, [r["id"] for r in rows])
+
+
 def test_errors_file_names_each_bad_row(model, reference, tmp_path):
     from specjax.serving.batch import run_batch
 

@@ -18,7 +18,11 @@ nothing:
   is therefore computed in the same batch, with the same shapes and seed, as in an uninterrupted
   run: resumed outputs equal uninterrupted ones bit for bit, sampled rows too.
   Whether a batch speculates (`--spec-throttle`, batch_throttle.py) is recorded before it runs
-  and reused when it runs again.
+  and reused when it runs again;
+* what gives the results their meaning (model, dtype, sampling defaults, job seed, chat
+  template) is recorded in `OUTPUT.job.json`, and a rerun with other values is refused rather
+  than mixing two jobs in one file. The drafter, K and batch size may change between runs:
+  speculation keeps the target's law.
 
 Bad rows (invalid JSON, no id, no prompt, duplicate id, a prompt over the context, invalid
 sampling values) go to `<output>.errors.jsonl` as `{"line", "id", "reason"}` and the job goes
@@ -419,6 +423,42 @@ def check_paths(cfg: BatchConfig) -> None:
         raise SpecjaxError(f"--batch-size must be >= 1, got {cfg.batch_size}")
 
 
+# What a row's result means besides its own fields: a rerun with other values would mix results
+# of two jobs in one file. The drafter, K and batch size are not here: speculation keeps the
+# target's law, so a job may switch them between runs.
+JOB_SETTINGS = ("model", "dtype", "temperature", "top_k", "top_p", "max_new_tokens", "seed", "ignore_eos",
+                "stop_token_ids", "raw")
+
+
+def job_settings(cfg: BatchConfig, model, defaults) -> dict:
+    return {"model": model.name, "dtype": str(model.dtype), "temperature": defaults.temperature,
+            "top_k": defaults.top_k, "top_p": defaults.top_p, "max_new_tokens": defaults.max_new_tokens,
+            "seed": defaults.seed or 0, "ignore_eos": defaults.ignore_eos,
+            "stop_token_ids": list(defaults.stop_token_ids), "raw": cfg.raw}
+
+
+def check_job_settings(path: str, settings: dict, out_path: str) -> None:
+    """Refuse a rerun whose settings differ from the run that started `out_path` (kept in
+    `path`); record them on the first run."""
+    if os.path.exists(path):
+        try:
+            with open(path) as fh:
+                old = json.load(fh)
+        except (OSError, ValueError) as e:
+            raise SpecjaxError(f"{path}: unreadable job settings ({e}); remove it to accept the current ones") from None
+        diff = [k for k in JOB_SETTINGS if k in old and old[k] != settings[k]]
+        if diff:
+            was = ", ".join(f"{k}={old[k]!r}" for k in diff)
+            now = ", ".join(f"{k}={settings[k]!r}" for k in diff)
+            raise SpecjaxError(f"{out_path} holds results of a job run with {was}; this run has {now}: rerun "
+                               f"with the same settings, or choose another --output")
+    scaleout.write_atomic(path, json.dumps(settings, indent=1).encode())
+
+
+def job_path(out_path: str) -> str:
+    return f"{out_path}.job.json"
+
+
 def run_batch(cfg: BatchConfig) -> dict:
     """Run (or resume) this process's share of a job; returns the summary (also printed)."""
     import jax
@@ -436,7 +476,8 @@ def run_batch(cfg: BatchConfig) -> dict:
 
     lines = read_input(cfg)
     extra: dict[str, int] = {}
-    parsed = parse_input(lines, cfg.sampling or SamplingParams(), extra)
+    defaults = cfg.sampling or SamplingParams()
+    parsed = parse_input(lines, defaults, extra)
     if extra and pid == 0:
         print("specjax batch: ignoring row fields it does not use: "
               + ", ".join(f"{f} ({n} rows)" for f, n in sorted(extra.items())), file=sys.stderr)
@@ -447,6 +488,7 @@ def run_batch(cfg: BatchConfig) -> dict:
     drafter = get_drafter(cfg.drafter, cfg.num_draft, model)  # a bad drafter spec fails before any work
     mesh = scaleout.make_mesh(sizes)
     model = scaleout.place_model(model, mesh)
+    check_job_settings(job_path(out_path), job_settings(cfg, model, defaults), out_path)
     throttle = BatchThrottle(cfg.spec_throttle, drafter.num_draft, cfg.drafter or "none",
                              throttle_path(out_path))
     results = ResultsFile(out_path)  # repairs a torn last line before any row runs
