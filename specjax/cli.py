@@ -47,9 +47,13 @@ def add_sampling_args(p: argparse.ArgumentParser, job_seed: bool = False) -> Non
 def sampling_from_args(a):
     from specjax.sampling import SamplingParams
 
-    return SamplingParams(
-        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, max_new_tokens=a.max_new_tokens, seed=a.seed
-    )
+    try:
+        return SamplingParams(
+            temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, max_new_tokens=a.max_new_tokens, seed=a.seed
+        )
+    except InvalidSamplingError as e:  # "top_p must be ..." -> "--top-p must be ...": name the flag
+        field, rest = str(e).split(" ", 1)
+        raise InvalidSamplingError(f"--{field.replace('_', '-')} {rest}") from None
 
 
 def cmd_generate(a) -> int:

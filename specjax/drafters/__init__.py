@@ -65,7 +65,7 @@ def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = N
     spec = (spec or "none").strip()
     kind, arg = split_spec(spec)
     if not 0 <= num_draft <= MAX_NUM_DRAFT:
-        raise DrafterError(f"num_draft must be in [0, {MAX_NUM_DRAFT}], got {num_draft}")
+        raise DrafterError(f"num_draft (--num-draft) must be in [0, {MAX_NUM_DRAFT}], got {num_draft}")
     if kind == "none":
         if num_draft:
             raise DrafterError("num_draft > 0 needs a drafter (--drafter ngram | draft:PATH)")
