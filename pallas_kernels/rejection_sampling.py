@@ -45,9 +45,14 @@ def mix32(x):
 
 
 def hash_uniform(seed, pos, vocab):
-    """U(0, 1) float32 (never 0 or 1) from uint32 seed, position and vocab index (broadcast)."""
+    """U(0, 1) float32 (never 0 or 1) from uint32 seed, position and vocab index (broadcast).
+
+    The key state x = f(seed, pos) enters twice, before and after the vocab mix: with only
+    `mix32(x ^ vocab)`, two keys whose states differ by a small c (probability ~V / 2^32 per
+    pair of keys, so hundreds of pairs over a row's thousands of steps) gave the same uniforms for
+    every vocab index, relabelled v -> v ^ c, and two draws shared their randomness."""
     x = mix32(seed.astype(jnp.uint32) ^ mix32(pos.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)))
-    return unit_float(mix32(x ^ vocab.astype(jnp.uint32)))
+    return unit_float(mix32(x ^ vocab.astype(jnp.uint32)) ^ mix32(x + jnp.uint32(0x6A09E667)))
 
 
 def unit_float(x):

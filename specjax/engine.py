@@ -241,25 +241,33 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
         proposal, dstate = drafter.propose(dparams, st.draft_state, ctx)
         draft, q = proposal.draft, proposal.q  # [B, K], [B, K, V] | None
         tokens_in = jnp.concatenate([last, draft], axis=1)  # [B, K+1]
-        operands = (tokens_in, draft, q, st.cache, verify_seeds)
         lengths = drafter.verify_lengths  # static, ascending, last = K
         if len(lengths) == 1 and proposal.active is None:
-            width = jnp.asarray(k, jnp.int32)  # drafts verified this step
-            n, emitted, cache, hidden, final = verify(*operands)
+            own = jnp.full((b,), k, jnp.int32)  # drafts each row checks this step
+            n, emitted, cache, hidden, final = verify(tokens_in, draft, q, st.cache, verify_seeds)
         else:
-            # Verify the shortest listed prefix that holds every live active row's wanted length;
-            # a plain one-token step when no live row is active (branch 0), which costs far less
-            # than the (K+1)-token pass (e.g. the n-gram drafter without a real match).
+            # Each row checks the drafts it would check alone: the shortest listed length that
+            # holds its wanted count, none when it is not active. The pass verifies the shortest
+            # listed prefix that holds every live row's (a plain one-token step when no live row
+            # is active, branch 0: far cheaper than the (K+1)-token pass, e.g. the n-gram drafter
+            # without a real match); a row's drafts past its own length are masked (-1, q = 0:
+            # its token there is drawn from the target, as at the end of its chain), so what a
+            # row emits does not depend on its batch-mates.
             want = jnp.full((b,), k, jnp.int32) if proposal.length is None else proposal.length
             active = live if proposal.active is None else proposal.active & live
-            need = jnp.where(force_verify, k, jnp.max(jnp.where(active, want, 0)))
-            branch = jnp.where(need > 0, 1 + jnp.searchsorted(jnp.asarray(lengths), need), 0)
+            table = jnp.asarray((0, *lengths), jnp.int32)
+            own = jnp.where(active & (want > 0), table[1 + jnp.searchsorted(jnp.asarray(lengths), want)], 0)  # [B]
+            own = jnp.where(force_verify & live, k, own)  # timing: every live row checks all K
+            branch = jnp.searchsorted(table, jnp.max(own))  # own values are table entries
+            keep = jnp.arange(k)[None] < own[:, None]  # [B, K]
+            masked = jnp.where(keep, draft, -1)
+            q = None if q is None else jnp.where(keep[:, :, None], q, 0.0)
             branches = [plain_step] + [partial(verify_prefix, x) for x in lengths[:-1]] + [verify]
-            n, emitted, cache, hidden, final = jax.lax.switch(branch, branches, *operands)
-            width = jnp.asarray((0, *lengths), jnp.int32)[branch]
+            n, emitted, cache, hidden, final = jax.lax.switch(branch, branches, tokens_in, masked, q, st.cache,
+                                                              verify_seeds)
     else:
         draft, q, dstate = jnp.zeros((b, 0), jnp.int32), None, st.draft_state
-        width = jnp.asarray(0, jnp.int32)
+        own = jnp.zeros((b,), jnp.int32)
         n, emitted, cache, hidden, final = verify(last, draft, q, st.cache, verify_seeds)
 
     # Truncate at the first stop token and at max_new; only live rows write.
@@ -281,7 +289,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     dstate = drafter.commit(dparams, dstate, CommitContext(n, emitted, history, hist_len, live, hidden, final))
     pos = jnp.arange(w)[None]
     # Drafts cut off by a stop token or max_new were never used: they count as neither.
-    checked = (pos <= n[:, None]) & (pos < width) & (pos < n_emit[:, None])  # [B, W]; n_emit = 0 if not live
+    checked = (pos <= n[:, None]) & (pos < own[:, None]) & (pos < n_emit[:, None])  # [B, W]; n_emit = 0 if not live
     return st.replace(
         cache=cache,
         draft_state=dstate,

@@ -16,9 +16,10 @@ per-row arrays `[B]`, so one compiled loop serves rows with different settings.
 Randomness is per row, as in vLLM: row b draws from a counter-based stream keyed by its own seed,
 the row's step count and a stream id (the first token, drafts, verification), hashed into one
 uniform per (position, vocabulary index) with `pallas_kernels.rejection_sampling.hash_uniform`.
-A sampled row's text therefore depends on its prompt, settings and seed (and, when speculating,
-on which steps verified how many drafts), never on its batch-mates or its place in the batch;
-two rows with one prompt and one seed give one text. `seed=None` draws a fresh seed per row.
+Under speculation each row checks the drafts it would check alone (engine.py masks the rest of a
+wider pass), so a sampled row's text depends on its prompt, settings, seed and the K it ran with,
+never on its batch-mates or its place in the batch; two rows with one prompt and one seed give one
+text. `seed=None` draws a fresh seed per row.
 """
 
 from __future__ import annotations

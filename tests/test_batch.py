@@ -205,7 +205,7 @@ def test_sampled_rows_do_not_depend_on_the_batch_size(model, job_input, referenc
 def test_rerun_with_other_settings_is_refused(model, job_input, reference, tmp_path):
     """A rerun that changes what the results mean (here the temperature, max_new_tokens) is
     refused and leaves the output alone; one that changes only the drafter and batch size (the
-    target's law either way) resumes."""
+    target's law either way), or settings no row reads, resumes; an emptied output starts anew."""
     import dataclasses
 
     from specjax.errors import SpecjaxError
@@ -218,13 +218,17 @@ def test_rerun_with_other_settings_is_refused(model, job_input, reference, tmp_p
     run_batch(dataclasses.replace(first, limit=6))
     before = out.read_bytes()
     other = dataclasses.replace(first.sampling, temperature=0.5, max_new_tokens=MAX_NEW + 1)
-    with pytest.raises(SpecjaxError, match=r"temperature=0.0, max_new_tokens=8; this run has temperature=0.5, "
-                                           r"max_new_tokens=9"):
+    with pytest.raises(SpecjaxError, match=r"temperature=0.0, max_new_tokens=8 \(kept in .*res.jsonl.job.json\); "
+                                           r"this run has temperature=0.5, max_new_tokens=9"):
         run_batch(dataclasses.replace(first, sampling=other))
     assert out.read_bytes() == before
-    summary = run_batch(dataclasses.replace(first, drafter="ngram", num_draft=3, batch_size=2))
+    reseeded = dataclasses.replace(first.sampling, seed=123, top_p=0.5)  # read by sampled rows only: none here
+    summary = run_batch(dataclasses.replace(first, sampling=reseeded, drafter="ngram", num_draft=3, batch_size=2))
     assert summary["already"] == 6 and summary["written"] == len(rows) - 6
     assert_same(read_rows(out), reference, [r["id"] for r in rows])
+    out.unlink()  # no results left: any settings start a new job
+    run_batch(dataclasses.replace(first, sampling=other, limit=1))
+    assert len(read_rows(out)) == 1
 
 
 def test_errors_file_names_each_bad_row(model, reference, tmp_path):

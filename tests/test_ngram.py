@@ -91,11 +91,12 @@ class OracleDrafter(Drafter):
         return Proposal(draft, length=jnp.asarray(self.want, jnp.int32)), state
 
 
-@pytest.mark.parametrize("want, per_step", [([2, 2], 3), ([6, 6], 7), ([2, 6], 7), ([1, 0], 3)])
+@pytest.mark.parametrize("want, per_step", [([2, 2], [3, 3]), ([6, 6], [7, 7]), ([2, 6], [3, 7]), ([1, 0], [3, 1])])
 def test_engine_verifies_the_shortest_listed_prefix_rows_want(want, per_step):
-    """All drafts are right, so a step emits exactly (verified drafts + 1) tokens: rows wanting 2
-    get the 2-draft pass (3 tokens a step), a row wanting 6 makes the whole batch take the
-    6-draft pass, wanting 1 rounds up to the shortest listed length (2); output = plain."""
+    """All drafts are right, so a step emits exactly (checked drafts + 1) tokens. Each row checks
+    what it would check alone: wanting 2, the 2-draft prefix (3 tokens a step) even when a mate
+    wanting 6 makes the batch take the 6-draft pass; wanting 1 rounds up to the shortest listed
+    length (2); wanting 0, nothing (a plain step inside the pass). Output = plain."""
     model = random_model(tiny(num_layers=2), seed=0)
     engine = Engine(model)
     prompts = [[1, 2, 3, 1, 2], [9, 8, 7]]
@@ -107,8 +108,8 @@ def test_engine_verifies_the_shortest_listed_prefix_rows_want(want, per_step):
         ref[i, : len(p) + len(t)] = p + t
     rows = engine.generate(prompts, params, drafter=OracleDrafter(ref, 6, (2, 6), want))
     assert [r.token_ids for r in rows] == plain
-    for r in rows:
-        assert r.steps == -(-(new - 1) // per_step)  # the prefill emits the first token
-        # every step checks the whole pass (the last one may run past the reference's end)
-        assert all(c >= r.steps - 1 for c in r.checked[: per_step - 1]) and r.checked[0] == r.steps
-        assert sum(r.checked[per_step - 1 :]) == 0
+    for r, n in zip(rows, per_step):
+        assert r.steps == -(-(new - 1) // n)  # the prefill emits the first token
+        # every step checks the row's own prefix (the last one may run past the reference's end)
+        assert all(c >= r.steps - 1 for c in r.checked[: n - 1]) and (n == 1 or r.checked[0] == r.steps)
+        assert sum(r.checked[n - 1 :]) == 0

@@ -27,9 +27,20 @@ N_ROWS = 16_000
 PROMPT = [3, 7, 3, 7, 3]
 SETTINGS = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=1),
             SamplingParams(temperature=0.7, top_k=6, top_p=0.9, max_new_tokens=3, seed=2)]
-WHICH = ["draft_model", "draft_vocab", "ngram", "ngram_prefix"]
+WHICH = ["draft_model", "draft_vocab", "draft_gated", "ngram", "ngram_prefix"]
 ALPHA = 1e-3 / (2 * len(SETTINGS) * len(WHICH))
 DRAFT_VOCAB = np.array([0, 2, 3, 5, 7, 8, 11, 14])  # draft tokens: half the vocabulary
+
+
+class GatedDraftModel(DraftModelDrafter):
+    """Soft drafts that a row believes in at even lengths only: rows that accepted different
+    numbers of drafts part, so batches verify while some rows are inactive, whose drafts (and q)
+    the engine masks."""
+
+    def propose(self, dparams, state, ctx):
+        p, state = super().propose(dparams, state, ctx)
+        active = ctx.hist_len % 2 == 0  # [B]
+        return p.replace(active=active), state
 
 
 def sharpen(model, scale=4.0):
@@ -76,6 +87,7 @@ def exact_law(model, prompt, sp: SamplingParams, n_tokens: int):
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_sampled_speculative_output_has_target_law(models, which, setting):
     """`draft_vocab`: a draft model that proposes only from half the vocabulary (q = 0 elsewhere);
+    `draft_gated`: soft drafts, rows inactive on alternate steps inside verifying batches;
     `ngram_prefix`: 5 drafts of which every row wants 3 verified (the engine's shorter verify
     pass, `Drafter.verify_lengths` = (3, 5))."""
     target, draft = models
@@ -85,6 +97,8 @@ def test_sampled_speculative_output_has_target_law(models, which, setting):
     elif which == "ngram_prefix":
         drafter = NgramDrafter(5, max_n=2, active_n=1, long_n=99)
         assert drafter.verify_lengths == (3, 5)
+    elif which == "draft_gated":
+        drafter = GatedDraftModel(2, draft, target.config)
     else:
         drafter = DraftModelDrafter(2, draft, target.config,
                                     draft_vocab=DRAFT_VOCAB if which == "draft_vocab" else None)
@@ -119,18 +133,23 @@ def test_sampled_speculative_output_has_target_law(models, which, setting):
 # ---- per-row random streams (specjax/sampling.py) ----------------------------------------------
 
 def test_a_sampled_row_depends_on_its_seed_not_on_its_batch(models):
-    """A row draws from its own seed's stream: alone, or at another index of a larger batch beside
-    other prompts, settings and seeds, it emits the same tokens; with plain decoding and with a
-    drafter that verifies every step (its draft/verify schedule is the row's own). Rows with one
-    prompt and one seed agree; other seeds give other texts."""
+    """A row draws from its own seed's stream and checks the drafts it would check alone: at
+    another index of a larger batch, beside other prompts, settings and seeds and a greedy mate
+    whose n-gram matches make the batch verify, it emits what it emits alone; plain, with a draft
+    model, a gated one and the n-gram drafter (two verify lengths). Rows with one prompt and one
+    seed agree; other seeds give other texts."""
     target, draft = models
     engine = Engine(target)
     row = SamplingParams(temperature=1.0, max_new_tokens=12, seed=77)
-    mates = [SamplingParams(temperature=0.7, top_k=6, max_new_tokens=5, seed=3), SamplingParams(max_new_tokens=9)]
-    for drafter in (None, DraftModelDrafter(2, draft, target.config)):
-        alone = engine.generate([PROMPT], [row], drafter=drafter)[0].token_ids
-        batch = engine.generate([[1, 2, 3], [4, 5, 6, 7, 8, 9], PROMPT, PROMPT], mates + [row, row], drafter=drafter)
-        assert batch[2].token_ids == alone and batch[3].token_ids == alone
+    mates = [SamplingParams(temperature=0.7, top_k=6, max_new_tokens=5, seed=3), SamplingParams(max_new_tokens=24)]
+    repetitive = [1, 2, 3] * 4  # the greedy mate's n-gram matches make its batches verify
+    drafters = (None, DraftModelDrafter(2, draft, target.config), GatedDraftModel(2, draft, target.config),
+                NgramDrafter(5, max_n=2, long_n=4))
+    for drafter in drafters:
+        alone = engine.generate([PROMPT], [row], drafter=drafter)[0]
+        batch = engine.generate([[1, 2, 3], repetitive, PROMPT, PROMPT], mates + [row, row], drafter=drafter)
+        assert batch[2].token_ids == alone.token_ids and batch[3].token_ids == alone.token_ids
+        assert batch[2].checked == alone.checked
         others = engine.generate([PROMPT] * 8, [dataclasses.replace(row, seed=s) for s in range(8)], drafter=drafter)
         assert len({tuple(r.token_ids) for r in others}) > 1
 

@@ -13,8 +13,10 @@ three methods are pure functions of pytrees, traced into the engine's single `la
   far less than checking K + 1 tokens (e.g. the n-gram drafter without a real match); and
   optionally `length [B]`, how many leading drafts the row believes in, for drafters whose
   `verify_lengths` lists several: the engine then verifies the shortest listed prefix that holds
-  every live active row's length (one compiled pass per listed length). Any draft, and any
-  prefix of it, is lossless; `active` and `length` only decide what is worth the verify cost;
+  every live active row's length (one compiled pass per listed length), and each row checks the
+  drafts it would check alone (none when inactive; the rest are masked), so a row's output does not
+  depend on its batch-mates. Any draft, and any prefix of it, is lossless; `active` and `length`
+  only decide what is worth the verify cost;
 * `commit(dparams, state, ctx: CommitContext) -> state` after acceptance, e.g. to roll a draft
   KV cache back to the accepted prefix or to keep the target hidden states of accepted positions.
 

@@ -32,8 +32,9 @@ Batching: greedy and sampled rows are batched apart (all-greedy batches compile 
 accept step), sorted by prompt length within a group (fewer prompt buckets, rows that finish
 together) and cut into batches of `--batch-size`. Each batch is padded to a power of two rows (and
 a multiple of the mesh's `data` size) so few shapes compile. Every row draws from its own seed's
-stream, so a sampled row's text does not depend on its batch-mates or `--batch-size` (only, when
-the batch speculates, on its K).
+stream and checks only its own drafts, so a sampled row's text does not depend on its batch-mates
+or the process split, only on the K its batch ran with (which `--spec-throttle auto` decides per
+batch shape).
 
 Devices and hosts: see `scaleout.py`.
 """
@@ -430,28 +431,32 @@ JOB_SETTINGS = ("model", "dtype", "temperature", "top_k", "top_p", "max_new_toke
                 "stop_token_ids", "raw")
 
 
-def job_settings(cfg: BatchConfig, model, defaults) -> dict:
+def job_settings(cfg: BatchConfig, model, defaults, sampled: bool) -> dict:
+    """`sampled`: whether any row samples; if none does, the settings only sampling reads are None
+    (not compared), so a greedy job may rerun with other ones."""
+    only_sampled = dict(top_k=defaults.top_k, top_p=defaults.top_p, seed=defaults.seed or 0)
     return {"model": model.name, "dtype": str(model.dtype), "temperature": defaults.temperature,
-            "top_k": defaults.top_k, "top_p": defaults.top_p, "max_new_tokens": defaults.max_new_tokens,
-            "seed": defaults.seed or 0, "ignore_eos": defaults.ignore_eos,
+            **{k: v if sampled else None for k, v in only_sampled.items()},
+            "max_new_tokens": defaults.max_new_tokens, "ignore_eos": defaults.ignore_eos,
             "stop_token_ids": list(defaults.stop_token_ids), "raw": cfg.raw}
 
 
 def check_job_settings(path: str, settings: dict, out_path: str) -> None:
-    """Refuse a rerun whose settings differ from the run that started `out_path` (kept in
-    `path`); record them on the first run."""
-    if os.path.exists(path):
+    """Refuse a rerun whose settings differ from those of the run that wrote the results in
+    `out_path` (kept in `path`); record them when the output holds no results yet."""
+    if os.path.exists(path) and os.path.exists(out_path) and os.path.getsize(out_path) > 0:
         try:
             with open(path) as fh:
                 old = json.load(fh)
         except (OSError, ValueError) as e:
             raise SpecjaxError(f"{path}: unreadable job settings ({e}); remove it to accept the current ones") from None
-        diff = [k for k in JOB_SETTINGS if k in old and old[k] != settings[k]]
+        diff = [k for k in JOB_SETTINGS
+                if old.get(k) is not None and settings[k] is not None and old[k] != settings[k]]
         if diff:
             was = ", ".join(f"{k}={old[k]!r}" for k in diff)
             now = ", ".join(f"{k}={settings[k]!r}" for k in diff)
-            raise SpecjaxError(f"{out_path} holds results of a job run with {was}; this run has {now}: rerun "
-                               f"with the same settings, or choose another --output")
+            raise SpecjaxError(f"{out_path} holds results of a job run with {was} (kept in {path}); this run has "
+                               f"{now}: rerun with the same settings, or choose another --output")
     scaleout.write_atomic(path, json.dumps(settings, indent=1).encode())
 
 
@@ -488,7 +493,8 @@ def run_batch(cfg: BatchConfig) -> dict:
     drafter = get_drafter(cfg.drafter, cfg.num_draft, model)  # a bad drafter spec fails before any work
     mesh = scaleout.make_mesh(sizes)
     model = scaleout.place_model(model, mesh)
-    check_job_settings(job_path(out_path), job_settings(cfg, model, defaults), out_path)
+    sampled = any(isinstance(r, JobRow) and not r.sampling.greedy for r in mine)
+    check_job_settings(job_path(out_path), job_settings(cfg, model, defaults, sampled), out_path)
     throttle = BatchThrottle(cfg.spec_throttle, drafter.num_draft, cfg.drafter or "none",
                              throttle_path(out_path))
     results = ResultsFile(out_path)  # repairs a torn last line before any row runs

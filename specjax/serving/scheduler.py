@@ -21,9 +21,9 @@ One iteration of the loop:
    monitor and the metrics see the chunk's deltas; the batch shrinks to a smaller bucket when the
    live rows have fitted one for two chunks and nothing is queued.
 
-Each row draws from its own random stream, keyed by its request's seed and its own step count
-(specjax/sampling.py): output laws are exact, and a sampled request's text does not depend on its
-batch-mates, bucket or slot, only, while it speculates, on the K of its steps. Greedy output is
+Each row draws from its own random stream, keyed by its request's seed and its own step count,
+and checks only its own drafts (specjax/sampling.py): output laws are exact, and a sampled
+request's text does not depend on its batch-mates, bucket or slot, only on the K of its steps. Greedy output is
 token-identical to plain decoding whatever K, bucket or slot a row runs with.
 """
 
