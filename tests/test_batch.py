@@ -409,6 +409,20 @@ def test_two_processes_over_loopback_with_a_restart(model_dir, job_input, refere
     os.remove(out)  # an explicit merge rebuilds the same file
     assert main(["batch", "--merge", "--output", str(out), "--num-processes", "2"]) == 0
     assert read_rows(out) == rows
+    with open(f"{out}.job.json") as fh:  # the parts' common settings, for a later resume of the merged file
+        assert json.load(fh)["max_new_tokens"] == MAX_NEW
+
+    done = f"{out}.part-1-of-2.done"  # parts that ran with other settings are not merged
+    with open(done) as fh:
+        marker = json.load(fh)
+    marker["settings"]["temperature"] = 0.5
+    with open(done, "w") as fh:
+        json.dump(marker, fh)
+    from specjax.errors import SpecjaxError
+    from specjax.serving.scaleout import merge_parts
+
+    with pytest.raises(SpecjaxError, match="different settings: temperature=0.0 in part 0, temperature=0.5 in part 1"):
+        merge_parts(str(out), 2)
 
 
 # ---- speculation throttle (specjax/serving/batch_throttle.py) -----------------------------------

@@ -460,10 +460,6 @@ def check_job_settings(path: str, settings: dict, out_path: str) -> None:
     scaleout.write_atomic(path, json.dumps(settings, indent=1).encode())
 
 
-def job_path(out_path: str) -> str:
-    return f"{out_path}.job.json"
-
-
 def run_batch(cfg: BatchConfig) -> dict:
     """Run (or resume) this process's share of a job; returns the summary (also printed)."""
     import jax
@@ -494,7 +490,8 @@ def run_batch(cfg: BatchConfig) -> dict:
     mesh = scaleout.make_mesh(sizes)
     model = scaleout.place_model(model, mesh)
     sampled = any(isinstance(r, JobRow) and not r.sampling.greedy for r in mine)
-    check_job_settings(job_path(out_path), job_settings(cfg, model, defaults, sampled), out_path)
+    settings = job_settings(cfg, model, defaults, sampled)
+    check_job_settings(scaleout.job_path(out_path), settings, out_path)
     throttle = BatchThrottle(cfg.spec_throttle, drafter.num_draft, cfg.drafter or "none",
                              throttle_path(out_path))
     results = ResultsFile(out_path)  # repairs a torn last line before any row runs
@@ -560,7 +557,7 @@ def run_batch(cfg: BatchConfig) -> dict:
         f"in {err_path}; {meter.tokens} tokens in {secs:.1f} s: {meter.rates()} (engine: prefill "
         f"{meter.prefill_seconds:.1f} s, decode {meter.decode_seconds:.1f} s)")
     if n_proc > 1:
-        finish_part(cfg, out_path, lines, summary)
+        finish_part(cfg, out_path, lines, summary, settings)
     return summary
 
 
@@ -664,10 +661,10 @@ def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
-def finish_part(cfg: BatchConfig, part: str, lines, summary: dict) -> None:
+def finish_part(cfg: BatchConfig, part: str, lines, summary: dict, settings: dict) -> None:
     """Mark the part complete; merge when every part is (process 0 waits for the others)."""
     marker = {"rows": summary["rows"], "errors": summary["errors"], "input": input_fingerprint(lines),
-              "num_processes": cfg.num_processes}
+              "num_processes": cfg.num_processes, "settings": settings}
     scaleout.write_atomic(scaleout.done_path(part), json.dumps(marker).encode())
     n = cfg.num_processes
     if cfg.process_id == 0 and not scaleout.wait_for_parts(cfg.output, n, cfg.merge_wait, log):

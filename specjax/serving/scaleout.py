@@ -157,6 +157,11 @@ def done_path(part: str) -> str:
     return f"{part}.done"
 
 
+def job_path(results_path: str) -> str:
+    """The settings the results were made with (batch.py: `check_job_settings`)."""
+    return f"{results_path}.job.json"
+
+
 def write_atomic(path: str, data: bytes) -> None:
     """Write via a temporary file in the same directory and rename: readers see all or nothing."""
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -203,6 +208,12 @@ def merge_parts(output: str, num_processes: int) -> int:
             markers.append(json.load(fh))
     if len({m["input"] for m in markers}) != 1:
         raise SpecjaxError(f"merge: the parts of {output} were made from different inputs")
+    settings: dict = {}  # setting -> value, over the parts that recorded one (None: not read)
+    for i, m in enumerate(markers):
+        for k, v in (m.get("settings") or {}).items():
+            if v is not None and settings.setdefault(k, (v, i))[0] != v:
+                raise SpecjaxError(f"merge: the parts of {output} ran with different settings: {k}={settings[k][0]!r} "
+                                   f"in part {settings[k][1]}, {k}={v!r} in part {i}")
     rows, errors, seen = [], [], set()
     for i in range(num_processes):
         part = part_path(output, i, num_processes)
@@ -216,6 +227,7 @@ def merge_parts(output: str, num_processes: int) -> int:
     errors.sort(key=lambda r: r.get("line", 0))
     dump = lambda xs: "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in xs).encode()  # noqa: E731
     write_atomic(errors_path(output), dump(errors))
+    write_atomic(job_path(output), json.dumps({k: v for k, (v, _) in settings.items()}, indent=1).encode())
     write_atomic(output, dump(rows))
     return len(rows)
 
