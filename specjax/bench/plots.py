@@ -33,14 +33,14 @@ def _axes(n: int, title: str):
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     for ax in axes[n:]:
         ax.set_visible(False)
-    fig.suptitle(title)
+    fig.suptitle(title)  # the model on its own line: one 5-inch panel is narrower than a long name
     return fig, axes
 
 
 def plot_speedup(report: dict, path: str) -> None:
     rows = [r for r in report["results"] if r["drafter"] != PLAIN]
     panels = sorted({(r["suite"], r["temperature"]) for r in report["results"]})
-    fig, axes = _axes(len(panels), f"speedup over plain decoding — {report['model']}")
+    fig, axes = _axes(len(panels), f"speedup over plain decoding\n{report['model']}")
     for ax, (suite, temp) in zip(axes, panels):
         lines = defaultdict(list)
         for r in rows:
@@ -76,7 +76,7 @@ def _slice(report: dict) -> list[dict]:
 def plot_acceptance(report: dict, path: str) -> None:
     rows = [r for r in _slice(report) if r["drafter"] != PLAIN]
     suites = sorted({r["suite"] for r in report["results"]})
-    fig, axes = _axes(len(suites), f"per-position acceptance — {report['model']}")
+    fig, axes = _axes(len(suites), f"per-position acceptance\n{report['model']}")
     for ax, suite in zip(axes, suites):
         for r in rows:
             if r["suite"] == suite and r["per_position_acceptance"]:
@@ -106,7 +106,7 @@ def plot_mal(report: dict, path: str) -> None:
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="plain")
     ax.set_xticks(range(len(suites)), suites)
     ax.set_ylabel("mean accepted length (tokens / step)")
-    ax.set_title(f"MAL per suite — {report['model']}")
+    ax.set_title(f"MAL per suite\n{report['model']}")
     ax.legend(fontsize="small")
     fig.savefig(path, dpi=100)
 
