@@ -233,7 +233,8 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
         return jnp.zeros((b,), jnp.int32), emitted, cache, hidden, final
 
     # Each row's randomness for this step, keyed by its seed and its own step count.
-    draft_seeds, verify_seeds = derive(st.seed, st.steps, STREAM_DRAFT), derive(st.seed, st.steps, STREAM_VERIFY)
+    step_seed = derive(st.seed, st.steps)  # [B]; derive(s, a, b) == derive(derive(s, a), b)
+    draft_seeds, verify_seeds = derive(step_seed, STREAM_DRAFT), derive(step_seed, STREAM_VERIFY)
     live = ~st.done
     last = jnp.take_along_axis(st.history, (st.hist_len - 1)[:, None], axis=1)  # [B, 1]
     if k > 0:

@@ -16,8 +16,9 @@ from specjax.sampling import SamplingArrays, sample, target_probs
 
 def accept(logits, draft, q, sampling: SamplingArrays, seeds, all_greedy: bool, implementation: str = "auto"):
     """logits [B, K+1, V] f32 from the verify pass over [last, d_1..d_K]; draft [B, K];
-    q [B, K, V] or None; seeds [B] uint32, each row's seed for this step. Returns n_accepted [B] int32 and tokens [B, K+1] int32 (the n accepted
-    drafts, then the recovered/bonus token; -1 after it)."""
+    q [B, K, V] or None; seeds [B] uint32, each row's seed for this step. Returns n_accepted [B]
+    int32 and tokens [B, K+1] int32 (the n accepted drafts, then the recovered/bonus token; -1
+    after it)."""
     b, kp1, _ = logits.shape
     k = kp1 - 1
     idx = jnp.arange(kp1)[None]

@@ -136,8 +136,9 @@ def head_rows(head: jax.Array, d2t) -> jax.Array:
 def draft_token(seeds, i: int, logits: jax.Array, d2t, vocab_size: int, sampling, all_greedy: bool):
     """Draft i of a step. Logits over the drafter's vocabulary (`[B, N]` for a draft vocabulary
     `d2t [N]`, `[B, V]` when `d2t` is None) -> target-vocabulary token `[B]`, drawn from the rows'
-    step seeds `[B]`, and q `[B, V]` (None when all rows are greedy). Tokens outside the draft vocabulary get q = 0: a valid proposal, so rejection
-    sampling stays lossless; they are only never drafted."""
+    step seeds `[B]`, and q `[B, V]` (None when all rows are greedy). Tokens outside the draft
+    vocabulary get q = 0: a valid proposal, so rejection sampling stays lossless; they are only
+    never drafted."""
     seeds = derive(seeds, i)
     if d2t is None:
         return sample(seeds, logits, sampling), None if all_greedy else target_probs(logits, sampling)

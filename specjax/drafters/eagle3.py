@@ -236,7 +236,7 @@ class Eagle3Drafter(Drafter):
         """Draft i's draft-vocab logits `[B, N]` -> target-vocab token `[B]` and q `[B, V]` (None
         if greedy)."""
         return draft_token(ctx.seeds, i, logits, dparams["d2t"], self.target.config.vocab_size, ctx.sampling,
-                                 ctx.all_greedy)
+                           ctx.all_greedy)
 
     def init(self, dparams, ctx: InitContext):
         net = nnx.merge(self.weights.graphdef, dparams["net"])

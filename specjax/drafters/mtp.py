@@ -269,8 +269,8 @@ class MTPDrafter(Drafter):
         qs = []  # [B, V] per draft, None when greedy
 
         def choose(k, logits):
-            tok, q = draft_token(ctx.seeds, k - 1, logits, dparams["d2t"], self.target.config.vocab_size, ctx.sampling,
-                                 ctx.all_greedy)
+            tok, q = draft_token(ctx.seeds, k - 1, logits, dparams["d2t"], self.target.config.vocab_size,
+                                 ctx.sampling, ctx.all_greedy)
             qs.append(q)
             return tok
 

@@ -3,8 +3,8 @@
 Input rows are `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`, optionally
 with their own `temperature`, `top_k`, `top_p`, `max_new_tokens` (or OpenAI's `max_tokens`), `seed`
 (the CLI flags give the defaults; a row without a seed gets one derived from the job's `--seed`
-and its input line, so rows with one prompt still differ and a rerun draws the same); other fields are ignored, and the job names them once on
-stderr. Output rows are `{"id", "line", "text", "token_ids", "finish_reason", "stats"}`, the
+and its input line, so rows with one prompt still differ and a rerun draws the same); other
+fields are ignored, and the job names them once on stderr. Output rows are `{"id", "line", "text", "token_ids", "finish_reason", "stats"}`, the
 fields of `specjax generate --json` plus the input line number, in completion order (merged
 multi-process outputs are in input order).
 
@@ -177,8 +177,6 @@ def parse_row(line: int, raw: bytes, defaults, ignored: dict[str, int] | None = 
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 return BadRow(line, rid, f"{f} must be a number, got {v!r}")
             kw[f] = v
-    if "seed" in kw and (not isinstance(kw["seed"], int) or not 0 <= kw["seed"] < 2**32):
-        return BadRow(line, rid, f"seed must be an integer in [0, 2**32), got {kw['seed']!r}")
     if "seed" not in kw:  # the job's seed (0 when unset) and the line: a rerun draws the same
         kw["seed"] = line_seed(defaults.seed or 0, line)
     try:
@@ -424,16 +422,12 @@ def check_paths(cfg: BatchConfig) -> None:
         raise SpecjaxError(f"--batch-size must be >= 1, got {cfg.batch_size}")
 
 
-# What a row's result means besides its own fields: a rerun with other values would mix results
-# of two jobs in one file. The drafter, K and batch size are not here: speculation keeps the
-# target's law, so a job may switch them between runs.
-JOB_SETTINGS = ("model", "dtype", "temperature", "top_k", "top_p", "max_new_tokens", "seed", "ignore_eos",
-                "stop_token_ids", "raw")
-
-
 def job_settings(cfg: BatchConfig, model, defaults, sampled: bool) -> dict:
-    """`sampled`: whether any row samples; if none does, the settings only sampling reads are None
-    (not compared), so a greedy job may rerun with other ones."""
+    """What a row's result means besides its own fields: a rerun with other values would mix the
+    results of two jobs in one file. The drafter, K and batch size are not here: speculation keeps
+    the target's law, so a job may switch them between runs. `sampled`: whether any row samples;
+    if none does, the settings only sampling reads are None (not compared), so a greedy job may
+    rerun with other ones."""
     only_sampled = dict(top_k=defaults.top_k, top_p=defaults.top_p, seed=defaults.seed or 0)
     return {"model": model.name, "dtype": str(model.dtype), "temperature": defaults.temperature,
             **{k: v if sampled else None for k, v in only_sampled.items()},
@@ -450,8 +444,7 @@ def check_job_settings(path: str, settings: dict, out_path: str) -> None:
                 old = json.load(fh)
         except (OSError, ValueError) as e:
             raise SpecjaxError(f"{path}: unreadable job settings ({e}); remove it to accept the current ones") from None
-        diff = [k for k in JOB_SETTINGS
-                if old.get(k) is not None and settings[k] is not None and old[k] != settings[k]]
+        diff = [k for k, v in settings.items() if old.get(k) is not None and v is not None and old[k] != v]
         if diff:
             was = ", ".join(f"{k}={old[k]!r}" for k in diff)
             now = ", ".join(f"{k}={settings[k]!r}" for k in diff)

@@ -23,8 +23,8 @@ One iteration of the loop:
 
 Each row draws from its own random stream, keyed by its request's seed and its own step count,
 and checks only its own drafts (specjax/sampling.py): output laws are exact, and a sampled
-request's text does not depend on its batch-mates, bucket or slot, only on the K of its steps. Greedy output is
-token-identical to plain decoding whatever K, bucket or slot a row runs with.
+request's text does not depend on its batch-mates, bucket or slot, only on the K of its steps.
+Greedy output is token-identical to plain decoding whatever K, bucket or slot a row runs with.
 """
 
 from __future__ import annotations
