@@ -66,7 +66,8 @@ def cmd_generate(a) -> int:
         raise InvalidSamplingError(f"--num-draft must be >= 0, got {a.num_draft}")
     model = specjax.load_model(a.model, dtype=a.dtype)
     results = specjax.generate(
-        a.prompts, model=model, sampling=sampling, drafter=a.drafter, num_draft=a.num_draft, raw=a.raw
+        a.prompts, model=model, sampling=sampling, drafter=a.drafter, num_draft=a.num_draft, raw=a.raw,
+        spec_policy=a.spec_policy,
     )
     for i, r in enumerate(results):
         if a.json:
@@ -75,8 +76,9 @@ def cmd_generate(a) -> int:
             print(("\n" if i else "") + r.text, flush=True)  # a blank line between replies
             s = r.stats
             acc = "" if s.acceptance_rate is None else f", acceptance {s.acceptance_rate:.2f}"
+            share = f", verified {s.verified_steps}/{s.steps} steps ({s.spec_policy})" if s.num_draft else ""
             print(f"[{len(r.token_ids)} tokens, {s.tokens_per_second:.1f} tok/s, drafter {s.drafter} "
-                  f"K={s.num_draft}, MAL {s.mean_accepted_length:.2f}{acc}]", file=sys.stderr)
+                  f"K={s.num_draft}, MAL {s.mean_accepted_length:.2f}{acc}{share}]", file=sys.stderr)
     if a.compare_plain:
         if a.drafter in (None, "none"):
             print("[--compare-plain: no --drafter given, nothing to compare]", file=sys.stderr)
@@ -322,6 +324,9 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--drafter", default="none", help="none | ngram | draft:PATH | mtp[:PATH] | eagle3[:PATH][@GATE]")
     g.add_argument("--num-draft", type=int, default=0, help="K, draft tokens per step, at most 64 (default 0: the "
                    "drafter's own, ngram 15, draft and eagle3 5, mtp its module count)")
+    g.add_argument("--spec-policy", choices=("auto", "always"), default="auto", help="auto (default): each "
+                   "prompt verifies drafts only while its measured acceptance pays for a verify step on this "
+                   "machine, else takes plain steps and probes again later; always: verify every proposal")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     g.add_argument("--compare-plain", action="store_true", help="also decode the prompts without the drafter "
                    "and print the speedup measured in this run")

@@ -38,6 +38,9 @@ from flax import nnx, struct
 from specjax.drafters.base import CommitContext, Drafter, InitContext, NoDrafter, StepContext
 from specjax.models.kv_cache import KVCache, write_rows
 from specjax.models.loading import Model
+from specjax.row_policy import FORCE, RowPolicy, new_policy
+from specjax.row_policy import plan as policy_plan
+from specjax.row_policy import update as policy_update
 from specjax.sampling import (FIRST_TOKEN, STREAM_DRAFT, STREAM_SAMPLE, STREAM_VERIFY, SamplingArrays,
                               SamplingParams, derive, sample)
 from specjax.verify import accept
@@ -74,6 +77,7 @@ class LoopState:
     max_new: jax.Array  # [B] int32
     stop_ids: jax.Array  # [B, M] int32, -1 padded
     sampling: SamplingArrays  # [B] each
+    policy: RowPolicy | None = None  # per-row speculation fallback (specjax/row_policy.py), or None
 
 
 @dataclasses.dataclass
@@ -145,10 +149,12 @@ def _is_stop(tokens, stop_ids):
 
 
 def init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final, samp: SamplingArrays,
-               max_new, stop_ids, seed, *, drafter: Drafter, all_greedy: bool, stat_width: int) -> LoopState:
+               max_new, stop_ids, seed, *, drafter: Drafter, all_greedy: bool, stat_width: int,
+               policy: RowPolicy | None = None) -> LoopState:
     """The loop state after the prefill: the first token sampled from `last_logits [B, V]`, the
     history `[B, S]` (S = the cache's size), the drafter initialised. `seed [B]` uint32: each
-    row's random seed, kept in the state."""
+    row's random seed, kept in the state. `policy`: the rows' speculation fallback, or None
+    (every step verifies what the drafter proposes)."""
     b, s = prompt.shape[0], cache.size
     first = sample(derive(seed, FIRST_TOKEN, STREAM_SAMPLE), last_logits, samp)  # [B]
     history = jnp.zeros((b, s), jnp.int32).at[:, : prompt.shape[1]].set(prompt)
@@ -174,6 +180,7 @@ def init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_
         max_new=max_new,
         stop_ids=stop_ids,
         sampling=samp,
+        policy=policy,
     )
 
 
@@ -237,13 +244,17 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     draft_seeds, verify_seeds = derive(step_seed, STREAM_DRAFT), derive(step_seed, STREAM_VERIFY)
     live = ~st.done
     last = jnp.take_along_axis(st.history, (st.hist_len - 1)[:, None], axis=1)  # [B, 1]
+    pol = st.policy if k > 0 else None
+    on = live if pol is None else policy_plan(pol, live)  # [B] rows the policy lets verify
+    if pol is not None:
+        force_verify = force_verify | (pol.mode == FORCE)
     if k > 0:
-        ctx = StepContext(st.history, st.hist_len, samp, draft_seeds, all_greedy, live, force_verify)
+        ctx = StepContext(st.history, st.hist_len, samp, draft_seeds, all_greedy, on, force_verify)
         proposal, dstate = drafter.propose(dparams, st.draft_state, ctx)
         draft, q = proposal.draft, proposal.q  # [B, K], [B, K, V] | None
         tokens_in = jnp.concatenate([last, draft], axis=1)  # [B, K+1]
         lengths = drafter.verify_lengths  # static, ascending, last = K
-        if len(lengths) == 1 and proposal.active is None:
+        if len(lengths) == 1 and proposal.active is None and pol is None:
             own = jnp.full((b,), k, jnp.int32)  # drafts each row checks this step
             n, emitted, cache, hidden, final = verify(tokens_in, draft, q, st.cache, verify_seeds)
         else:
@@ -255,7 +266,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
             # its token there is drawn from the target, as at the end of its chain), so what a
             # row emits does not depend on its batch-mates.
             want = jnp.full((b,), k, jnp.int32) if proposal.length is None else proposal.length
-            active = live if proposal.active is None else proposal.active & live
+            active = on if proposal.active is None else proposal.active & on
             table = jnp.asarray((0, *lengths), jnp.int32)
             own = jnp.where(active & (want > 0), table[1 + jnp.searchsorted(jnp.asarray(lengths), want)], 0)  # [B]
             own = jnp.where(force_verify & live, k, own)  # timing: every live row checks all K
@@ -291,7 +302,11 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     pos = jnp.arange(w)[None]
     # Drafts cut off by a stop token or max_new were never used: they count as neither.
     checked = (pos <= n[:, None]) & (pos < own[:, None]) & (pos < n_emit[:, None])  # [B, W]; n_emit = 0 if not live
+    if pol is not None:
+        n_checked = jnp.sum(checked, axis=1)  # [B]
+        pol = policy_update(pol, on, live, own, n_checked, jnp.sum(checked & (pos < n[:, None]), axis=1))
     return st.replace(
+        policy=st.policy if pol is None else pol,
         cache=cache,
         draft_state=dstate,
         history=history,
@@ -305,12 +320,14 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
 
 
 def _decode(graphdef, params, dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final,
-            samp: SamplingArrays, max_new, stop_ids, seed, *, drafter: Drafter, all_greedy: bool,
+            samp: SamplingArrays, max_new, stop_ids, seed, policy, *, drafter: Drafter, all_greedy: bool,
             implementation: str):
-    """max_new [B] int32; stop_ids [B, M] int32 (-1 padded). Returns the final LoopState."""
+    """max_new [B] int32; stop_ids [B, M] int32 (-1 padded); policy: RowPolicy or None. Returns
+    the final LoopState."""
     model = nnx.merge(graphdef, params)
     state = init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final, samp, max_new,
-                       stop_ids, seed, drafter=drafter, all_greedy=all_greedy, stat_width=drafter.num_draft)
+                       stop_ids, seed, drafter=drafter, all_greedy=all_greedy, stat_width=drafter.num_draft,
+                       policy=policy)
     step = partial(decode_step, model, dparams, drafter=drafter, all_greedy=all_greedy,
                    implementation=implementation)
     return jax.lax.while_loop(lambda st: ~jnp.all(st.done), step, state)
@@ -348,9 +365,12 @@ class Engine:
         return t, s
 
     def generate(self, prompt_ids: list[list[int]], params: list[SamplingParams], eos_ids=(),
-                 drafter: Drafter | None = None, max_new_cap: int | None = None) -> list[RowOutput]:
+                 drafter: Drafter | None = None, max_new_cap: int | None = None, spec_mode: int | None = None,
+                 costs: np.ndarray | None = None) -> list[RowOutput]:
         """`max_new_cap`: stop every row after this many tokens while compiling for the params'
-        `max_new_tokens` (a short probe that runs the code the full batch runs)."""
+        `max_new_tokens` (a short probe that runs the code the full batch runs). `spec_mode`: None
+        (verify whatever the drafter proposes, no policy state) or a `row_policy` mode (AUTO,
+        ALWAYS, FORCE: one compiled loop serves all three) with `costs [K + 1]` for AUTO."""
         drafter = drafter or NoDrafter()
         b = len(prompt_ids)
         lens = [len(p) for p in prompt_ids]
@@ -379,19 +399,25 @@ class Engine:
                 (prompt, prompt_len, samp, max_new_arr, stop_arr, seed), rows)
             dparams = jax.device_put(dparams, repl)
 
+        policy = None
+        if spec_mode is not None and drafter.num_draft > 0:
+            table = np.ones(drafter.num_draft + 1, np.float32) if costs is None else costs
+            policy = new_policy(b, table, spec_mode)
+            if self.mesh is not None:
+                policy = jax.device_put(policy, RowPolicy(repl, repl, rows, rows, rows, rows))
         pre_static = dict(cache_size=s, collect=drafter.hidden_layers, want_final=drafter.needs_final_hidden)
         pre = self._get("prefill", _prefill, pre_static, (), mp, prompt, prompt_len)
         # Compile decode before timing anything: its arguments' shapes are known without running.
         c_shape, l_shape, h_shape, f_shape = pre.out_info
         dec_static = dict(drafter=drafter, all_greedy=all_greedy, implementation=self.implementation)
         dec = self._get("decode", _decode, dec_static, (2,), mp, dparams, c_shape, l_shape, prompt, prompt_len,
-                        h_shape, f_shape, samp, max_new_arr, stop_arr, seed)
+                        h_shape, f_shape, samp, max_new_arr, stop_arr, seed, policy)
         t0 = time.perf_counter()
         cache, last_logits, pre_hidden, pre_final = pre(mp, prompt, prompt_len)
         jax.block_until_ready(last_logits)
         t1 = time.perf_counter()
         st = dec(mp, dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final,
-                 samp, max_new_arr, stop_arr, seed)
+                 samp, max_new_arr, stop_arr, seed, policy)
         history = np.asarray(st.history)
         t2 = time.perf_counter()
         hist_len, stopped = np.asarray(st.hist_len), np.asarray(st.stopped)

@@ -11,6 +11,7 @@ from specjax.drafters import Drafter, make_drafter
 from specjax.engine import Engine
 from specjax.errors import InvalidPromptError, InvalidSamplingError
 from specjax.models.loading import Model, load_model
+from specjax.row_policy import AUTO, measure_costs
 from specjax.sampling import SamplingParams
 
 Prompt = str | Sequence[dict] | Sequence[int]
@@ -38,6 +39,8 @@ class GenerationStats:
     num_draft: int
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    verified_steps: int = 0  # steps in which the row verified drafts (the others were plain steps)
+    spec_policy: str = "always"  # "auto": rows fall back to plain steps where verifying does not pay
 
 
 @dataclasses.dataclass
@@ -156,6 +159,7 @@ def generate(
     raw: bool = False,
     dtype: str | None = None,
     mesh=None,
+    spec_policy: str = "auto",
 ) -> list[GenerationResult]:
     """Generate a continuation for each prompt, batched.
 
@@ -165,7 +169,12 @@ def generate(
     batch-mates.
     `max_new_tokens` overrides the sampling params' value. `mesh`: a `jax.sharding.Mesh` with a
     `data` axis to shard rows over (the number of prompts must be a multiple of its size).
+    `spec_policy`: "auto" (each row verifies only while its measured acceptance makes a verify
+    step beat a plain one at this machine's step costs: specjax/row_policy.py) or "always"
+    (verify whatever the drafter proposes). Both keep the target's output law.
     """
+    if spec_policy not in ("auto", "always"):
+        raise InvalidSamplingError(f"spec_policy must be 'auto' or 'always', got {spec_policy!r}")
     if not isinstance(prompts, (str, list, tuple)):
         raise InvalidPromptError(f"prompts must be a string or a list, got {type(prompts).__name__}")
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
@@ -184,7 +193,11 @@ def generate(
         check_fits(m, len(x), p.max_new_tokens)
     d = get_drafter(drafter, num_draft, m)
     engine = get_engine(m, mesh)
-    rows = engine.generate(ids, params, eos_ids=m.config.eos_token_ids, drafter=d)
+    if spec_policy == "auto" and d.num_draft > 0:
+        costs = measure_costs(engine, ids, params, m.config.eos_token_ids, d, drafter_label(drafter, d))
+        rows = engine.generate(ids, params, eos_ids=m.config.eos_token_ids, drafter=d, spec_mode=AUTO, costs=costs)
+    else:
+        rows = engine.generate(ids, params, eos_ids=m.config.eos_token_ids, drafter=d)
     results = []
     for x, row in zip(ids, rows):
         seconds = row.prefill_seconds + row.decode_seconds
@@ -201,6 +214,8 @@ def generate(
             num_draft=d.num_draft,
             prefill_seconds=row.prefill_seconds,
             decode_seconds=row.decode_seconds,
+            verified_steps=row.checked[0] if row.checked else 0,  # every verify checks draft 0
+            spec_policy=spec_policy if d.num_draft else "always",
         )
         results.append(GenerationResult(text, row.token_ids, x, row.finish_reason, stats))
     return results
