@@ -19,7 +19,9 @@ EXIT_INTERNAL = 1
 
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse prints usage too by default)
-        raise SpecjaxError(f"{self.prog}: {message}")
+        # main() prints "specjax: error: "; a subcommand's parser names its subcommand
+        sub = self.prog.removeprefix("specjax").strip()
+        raise SpecjaxError(f"{sub}: {message}" if sub else message)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -59,8 +61,12 @@ def sampling_from_args(a):
 def cmd_generate(a) -> int:
     import specjax
 
+    from specjax.prompt_text import check_text
+
     if not a.prompts:
         raise SpecjaxError("generate: give at least one PROMPT")
+    for i, p in enumerate(a.prompts):  # before the model loads
+        check_text(p, f"PROMPT {i + 1}" if len(a.prompts) > 1 else "the prompt")
     sampling = sampling_from_args(a)
     if a.num_draft < 0:
         raise InvalidSamplingError(f"--num-draft must be >= 0, got {a.num_draft}")
@@ -111,8 +117,9 @@ def check_json_out(path: str | None) -> None:
         os.makedirs(parent, exist_ok=True)
     except OSError as e:
         raise SpecjaxError(f"--json-out {path}: cannot create {parent}: {e.strerror or e}") from None
-    if not os.access(parent, os.W_OK):
-        raise SpecjaxError(f"--json-out {path}: directory {parent} is not writable")
+    from specjax.files import check_file_writable
+
+    check_file_writable(path, f"--json-out {path}")
 
 
 def cmd_bench(a) -> int:
@@ -185,6 +192,7 @@ def cmd_batch(a) -> int:
     if a.merge:
         if a.num_processes is None:
             raise SpecjaxError("batch --merge needs --num-processes N")
+        batch.check_merge_paths(a.output, a.num_processes)
         rows = scaleout.merge_parts(a.output, a.num_processes)
         print(f"specjax batch: merged {a.num_processes} parts: {rows} rows in {a.output}", file=sys.stderr)
         return 0
@@ -234,7 +242,11 @@ def cmd_serve(a) -> int:
 
     from specjax.serving import scheduler, server
 
+    from specjax.files import check_file_writable
+
     cfg = _serving_config(a)
+    if a.save_step_costs:  # before the model loads and warms up
+        check_file_writable(a.save_step_costs, "--save-step-costs")
     logging.basicConfig(level=logging.INFO, format="specjax serve: %(message)s")
     scheduler.enable_compile_cache(None if a.compile_cache == "none" else a.compile_cache or _default_xla_cache())
     import specjax
@@ -330,7 +342,9 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     g.add_argument("--compare-plain", action="store_true", help="also decode the prompts without the drafter "
                    "and print the speedup measured in this run")
-    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template: the prompt is fed as "
+                   "the tokenizer reads it, control-token strings (<|im_end|>) included; without --raw a "
+                   "prompt is text, its control-token strings encoded as plain characters")
     g.add_argument("prompts", nargs="*", metavar="PROMPT")
     g.set_defaults(fn=cmd_generate)
 

@@ -99,8 +99,15 @@ def drafter_label(spec: str | None, d: Drafter) -> str:
 
 def encode_prompt(model: Model, prompt: Prompt, raw: bool = False) -> list[int]:
     """Token ids of one prompt: a string (chat template applied for chat models unless `raw`), a
-    list of chat messages, or a list of token ids."""
+    list of chat messages, or a list of token ids.
+
+    Through the chat template, message text is text: a control-token string typed in a prompt or
+    a message (`<|im_end|>`) is encoded as the characters it is made of, never as the control
+    token (specjax/prompt_text.py). A `raw` string is encoded as the tokenizer reads it, control
+    tokens included. Text that is not valid UTF-8 (undecodable bytes, lone surrogates) raises
+    InvalidPromptError."""
     from specjax.datasets import RawText
+    from specjax.prompt_text import check_text, encode_chat
 
     tok = model.tokenizer
     raw = raw or isinstance(prompt, RawText)
@@ -108,23 +115,20 @@ def encode_prompt(model: Model, prompt: Prompt, raw: bool = False) -> list[int]:
     if isinstance(prompt, str):
         if not prompt.strip():
             raise InvalidPromptError("empty prompt")
+        check_text(prompt)
         if tok is None:
             raise InvalidPromptError(f"model {model.name} has no tokenizer (no tokenizer files beside its weights): "
                                      f"give token ids through the Python API")
         if not raw and getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-            ids = tok(text, add_special_tokens=False).input_ids
+            ids = encode_chat(tok, [{"role": "user", "content": str(prompt)}])
         else:
-            ids = tok(prompt).input_ids
+            ids = tok(str(prompt)).input_ids
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
         if tok is None or not getattr(tok, "chat_template", None):
             raise InvalidPromptError(f"model {model.name} has no chat template for messages")
         if any("role" not in m or "content" not in m for m in prompt):
             raise InvalidPromptError("each chat message needs 'role' and 'content'")
-        text = tok.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
-        ids = tok(text, add_special_tokens=False).input_ids
+        ids = encode_chat(tok, list(prompt))
     elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
                                                   for t in prompt):
         ids, from_tokenizer = [int(t) for t in prompt], False

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from specjax.drafters.base import Drafter, NoDrafter
-from specjax.errors import DrafterError
+from specjax.errors import DrafterError, ModelLoadError
 
 # n-gram: up to 15 drafts, of which it asks to verify all only behind a match of 5+ tokens, else 3
 # (NgramDrafter.verify_lengths; docs/performance.md: 2.13x vs 1.73x at K = 3 on code completion).
@@ -61,7 +61,19 @@ def _gate_suffix(arg: str, spec: str) -> tuple[str, float | None]:
 
 
 def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = None, load=None) -> Drafter:
-    """`load(path, dtype)` loads a draft model (defaults to `specjax.load_model`)."""
+    """`load(path, dtype)` loads a draft model (defaults to `specjax.load_model`). A draft model
+    that cannot be loaded raises DrafterError naming the drafter (not ModelLoadError, which would
+    read as the target's)."""
+    try:
+        return _make_drafter(spec, num_draft, target, dtype, load)
+    except ModelLoadError as e:
+        msg = str(e)
+        if msg.startswith("model not found"):
+            msg = "drafter not found" + msg[len("model not found"):]
+        raise DrafterError(f"--drafter {(spec or '').strip()}: {msg}") from None
+
+
+def _make_drafter(spec: str | None, num_draft: int, target, dtype: str | None, load) -> Drafter:
     spec = (spec or "none").strip()
     kind, arg = split_spec(spec)
     if not 0 <= num_draft <= MAX_NUM_DRAFT:

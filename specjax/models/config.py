@@ -77,8 +77,17 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "LlamaConfig":
         """Build from a HF `config.json` dict; raises ModelLoadError naming what is wrong."""
+        if not isinstance(hf, dict):
+            raise ModelLoadError(f"config.json must be a JSON object, got {type(hf).__name__}")
         archs = hf.get("architectures") or []
+        if not isinstance(archs, list):
+            archs = [archs]
         model_type = hf.get("model_type")
+        if not archs and model_type is None:
+            raise ModelLoadError(
+                "config.json has no 'architectures' field (nor 'model_type'): cannot tell which model it "
+                f"holds; specjax supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         if model_type not in SUPPORTED_MODEL_TYPES and not set(archs) & set(SUPPORTED_ARCHITECTURES):
             raise ModelLoadError(
                 f"unsupported architecture {archs or model_type!r}: specjax supports "
