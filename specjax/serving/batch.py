@@ -36,6 +36,9 @@ stream and checks only its own drafts, so a sampled row's text does not depend o
 or the process split, only on the K its batch ran with (which `--spec-throttle auto` decides per
 batch shape).
 
+Files: every path the job will write is checked before the model loads, and nothing is written
+until every check has passed (`batch_files.py`; docs/files.md).
+
 Devices and hosts: see `scaleout.py`.
 """
 
@@ -51,7 +54,9 @@ from typing import Any
 
 from specjax.errors import SpecjaxError
 from specjax.serving import scaleout
-from specjax.serving.batch_throttle import PROBE_TOKENS, BatchThrottle, Figures, class_key, parse_policy
+from specjax.serving.batch_files import (ResultsFile, check_job_settings, check_merge_paths, check_paths, json_line,
+                                         results_path, throttle_path)
+from specjax.serving.batch_throttle import PROBE_TOKENS, BatchThrottle, Figures, class_key
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "max_new_tokens", "seed")
 ROW_FIELDS = {"id", "prompt", "messages", "max_tokens", *SAMPLING_FIELDS}  # what a row may carry
@@ -141,6 +146,10 @@ def parse_row(line: int, raw: bytes, defaults, ignored: dict[str, int] | None = 
         return BadRow(line, None, "not UTF-8 text")
     except json.JSONDecodeError as e:
         return BadRow(line, None, f"invalid JSON ({e.msg} at column {e.colno})")
+    except RecursionError:
+        return BadRow(line, None, "invalid JSON (nested too deeply)")
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        return BadRow(line, None, f"invalid JSON ({e})")
     if not isinstance(obj, dict):
         return BadRow(line, None, "a row must be a JSON object")
     if ignored is not None:
@@ -148,7 +157,7 @@ def parse_row(line: int, raw: bytes, defaults, ignored: dict[str, int] | None = 
             ignored[f] = ignored.get(f, 0) + 1
     rid = obj.get("id")
     if not _valid_id(rid):
-        what = f"invalid id {rid!r}" if "id" in obj else "missing id"
+        what = f"invalid id {short(rid)}" if "id" in obj else "missing id"
         return BadRow(line, None, f"{what}: a row needs an 'id' (a non-empty string or an integer)")
     if "max_tokens" in obj:  # OpenAI's name for it
         if "max_new_tokens" in obj and obj["max_new_tokens"] != obj["max_tokens"]:
@@ -175,7 +184,7 @@ def parse_row(line: int, raw: bytes, defaults, ignored: dict[str, int] | None = 
         if f in obj:
             v = obj[f]
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                return BadRow(line, rid, f"{f} must be a number, got {v!r}")
+                return BadRow(line, rid, f"{f} must be a number, got {short(v)}")
             kw[f] = v
     if "seed" not in kw:  # the job's seed (0 when unset) and the line: a rerun draws the same
         kw["seed"] = line_seed(defaults.seed or 0, line)
@@ -185,6 +194,15 @@ def parse_row(line: int, raw: bytes, defaults, ignored: dict[str, int] | None = 
         return BadRow(line, rid, str(e))
     assert isinstance(sampling, SamplingParams)
     return JobRow(line, rid, prompt, sampling)
+
+
+def short(v, limit: int = 80) -> str:
+    """A short repr of a row's value for its error line (any depth, any size)."""
+    try:
+        text = repr(v) if not isinstance(v, (list, dict)) or len(v) < 64 else f"<a {type(v).__name__}>"
+    except (RecursionError, ValueError):
+        text = f"<a {type(v).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def line_seed(job_seed: int, line: int) -> int:
@@ -228,64 +246,6 @@ def input_fingerprint(lines: list[tuple[int, bytes]]) -> str:
     for line, raw in lines:
         h.update(b"%d:" % line + raw + b"\n")
     return h.hexdigest()[:16]
-
-
-# ---- results file ------------------------------------------------------------------------------
-
-
-RESULT_FIELDS = {"id", "line", "token_ids", "finish_reason"}  # what every result line carries
-
-
-class ResultsFile:
-    """An append-only JSONL file of results; each line is written whole or not at all."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.done: set[str] = set()  # json.dumps(id) of rows already written
-        try:
-            with open(path, "rb") as fh:
-                data = fh.read()
-        except FileNotFoundError:
-            data = b""
-        except OSError as e:
-            raise SpecjaxError(f"{path}: {e.strerror or e}") from None
-        # Check the whole file before changing a byte of it: only a file of result lines (and at
-        # most a torn last one) is resumed; anything else is left as it is.
-        end = data.rfind(b"\n") + 1
-        for i, line in enumerate(data[:end].split(b"\n")[:-1], 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                ok = isinstance(obj, dict) and RESULT_FIELDS <= obj.keys()
-            except json.JSONDecodeError:
-                ok = False
-            if not ok:
-                raise SpecjaxError(f"{path}:{i}: not a result line; fix the file or choose another --output")
-            self.done.add(json.dumps(obj["id"]))
-        if end < len(data):  # a crash mid-write (or a torn copy): drop the partial result line
-            if not data[end:].startswith(b'{"id": '):
-                raise SpecjaxError(f"{path}: last line is not a result line; fix the file or choose another --output")
-            try:
-                with open(path, "rb+") as fh:
-                    fh.truncate(end)
-            except OSError as e:
-                raise SpecjaxError(f"{path}: {e.strerror or e}") from None
-        try:
-            self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise SpecjaxError(f"{path}: {e.strerror or e}") from None
-
-    def append(self, obj: dict) -> None:
-        data = (json.dumps(obj, ensure_ascii=False) + "\n").encode()
-        n = os.write(self.fd, data)  # one write of the whole line; O_APPEND puts it at the end
-        while n < len(data):  # only on exotic filesystems; a crash here leaves a partial line
-            n += os.write(self.fd, data[n:])
-        os.fsync(self.fd)
-        self.done.add(json.dumps(obj["id"]))
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 # ---- planning ----------------------------------------------------------------------------------
@@ -396,32 +356,6 @@ def log(msg: str) -> None:
     print(f"specjax batch: {msg}", file=sys.stderr, flush=True)
 
 
-def check_paths(cfg: BatchConfig) -> None:
-    """Fail fast, before anything loads, on an unreadable input or an unwritable output."""
-    if bool(cfg.input) == bool(cfg.suite):
-        raise SpecjaxError("batch: give exactly one of --input FILE and --suite NAME")
-    if cfg.input:
-        try:
-            with open(cfg.input, "rb"):
-                pass
-        except OSError as e:
-            raise SpecjaxError(f"{cfg.input}: {e.strerror or e}") from None
-    out_dir = os.path.dirname(os.path.abspath(cfg.output))
-    if not os.path.isdir(out_dir):
-        raise SpecjaxError(f"{cfg.output}: directory {out_dir} does not exist")
-    if os.path.isdir(cfg.output):
-        raise SpecjaxError(f"{cfg.output}: is a directory")
-    if cfg.input and os.path.exists(cfg.output) and os.path.samefile(cfg.input, cfg.output):
-        raise SpecjaxError(f"{cfg.output}: is the input file; choose another --output")
-    if not 0 <= cfg.process_id < cfg.num_processes:
-        raise SpecjaxError(f"--process-id must be in [0, {cfg.num_processes}), got {cfg.process_id}")
-    if cfg.latency_class not in LATENCY_BATCH_SIZE:
-        raise SpecjaxError(f"--latency-class must be one of {', '.join(LATENCY_BATCH_SIZE)}")
-    parse_policy(cfg.spec_throttle)
-    if cfg.batch_size is not None and cfg.batch_size < 1:
-        raise SpecjaxError(f"--batch-size must be >= 1, got {cfg.batch_size}")
-
-
 def job_settings(cfg: BatchConfig, model, defaults, sampled: bool) -> dict:
     """What a row's result means besides its own fields: a rerun with other values would mix the
     results of two jobs in one file. The drafter, K and batch size are not here: speculation keeps
@@ -435,24 +369,6 @@ def job_settings(cfg: BatchConfig, model, defaults, sampled: bool) -> dict:
             "stop_token_ids": list(defaults.stop_token_ids), "raw": cfg.raw}
 
 
-def check_job_settings(path: str, settings: dict, out_path: str) -> None:
-    """Refuse a rerun whose settings differ from those of the run that wrote the results in
-    `out_path` (kept in `path`); record them when the output holds no results yet."""
-    if os.path.exists(path) and os.path.exists(out_path) and os.path.getsize(out_path) > 0:
-        try:
-            with open(path) as fh:
-                old = json.load(fh)
-        except (OSError, ValueError) as e:
-            raise SpecjaxError(f"{path}: unreadable job settings ({e}); remove it to accept the current ones") from None
-        diff = [k for k, v in settings.items() if old.get(k) is not None and v is not None and old[k] != v]
-        if diff:
-            was = ", ".join(f"{k}={old[k]!r}" for k in diff)
-            now = ", ".join(f"{k}={settings[k]!r}" for k in diff)
-            raise SpecjaxError(f"{out_path} holds results of a job run with {was} (kept in {path}); this run has "
-                               f"{now}: rerun with the same settings, or choose another --output")
-    scaleout.write_atomic(path, json.dumps(settings, indent=1).encode())
-
-
 def run_batch(cfg: BatchConfig) -> dict:
     """Run (or resume) this process's share of a job; returns the summary (also printed)."""
     import jax
@@ -460,12 +376,12 @@ def run_batch(cfg: BatchConfig) -> dict:
     from specjax.generate import get_drafter, get_model
     from specjax.sampling import SamplingParams
 
+    # Validate everything, then write (batch_files.py): nothing below writes a file before the
+    # results file opens.
     check_paths(cfg)
     n_proc, pid = cfg.num_processes, cfg.process_id
-    out_path = cfg.output if n_proc == 1 else scaleout.part_path(cfg.output, pid, n_proc)
+    out_path = results_path(cfg)
     err_path = scaleout.errors_path(out_path)
-    if n_proc > 1 and os.path.exists(scaleout.done_path(out_path)):
-        os.remove(scaleout.done_path(out_path))  # rewritten when this run completes the part
     batch_size = cfg.batch_size or LATENCY_BATCH_SIZE[cfg.latency_class]
 
     lines = read_input(cfg)
@@ -484,16 +400,20 @@ def run_batch(cfg: BatchConfig) -> dict:
     model = scaleout.place_model(model, mesh)
     sampled = any(isinstance(r, JobRow) and not r.sampling.greedy for r in mine)
     settings = job_settings(cfg, model, defaults, sampled)
-    check_job_settings(scaleout.job_path(out_path), settings, out_path)
+    job_file = scaleout.job_path(out_path)
+    check_job_settings(job_file, settings, out_path)
     throttle = BatchThrottle(cfg.spec_throttle, drafter.num_draft, cfg.drafter or "none",
                              throttle_path(out_path))
-    results = ResultsFile(out_path)  # repairs a torn last line before any row runs
-
     # Rows already written are tokenized too: their lengths place them in their batch.
     checked = [tokenize(model, r, cfg.raw) if isinstance(r, JobRow) else r for r in mine]
     rows = [r for r in checked if isinstance(r, JobRow)]
     bad = [r for r in checked if isinstance(r, BadRow)]
-    scaleout.write_atomic(err_path, b"".join(_line(b.to_dict()) for b in bad))
+
+    if n_proc > 1 and os.path.exists(scaleout.done_path(out_path)):
+        os.remove(scaleout.done_path(out_path))  # rewritten when this run completes the part
+    scaleout.write_atomic(job_file, json.dumps(settings, indent=1).encode())
+    results = ResultsFile(out_path)  # repairs a torn last line before any row runs
+    scaleout.write_atomic(err_path, b"".join(json_line(b.to_dict()) for b in bad))
 
     already = sum(json.dumps(r.id) in results.done for r in rows)
     meter = Meter(len(rows), already, cfg.progress, f"part {pid}/{n_proc}" if n_proc > 1 else "batch")
@@ -526,7 +446,7 @@ def run_batch(cfg: BatchConfig) -> dict:
                     continue
                 if isinstance(res, SpecjaxError):
                     bad.append(BadRow(r.line, r.id, str(res)))
-                    os.write(errors_fd, _line(bad[-1].to_dict()))
+                    os.write(errors_fd, json_line(bad[-1].to_dict()))
                 else:
                     results.append({"id": r.id, "line": r.line, **res.to_dict()})
                     meter.add(res)
@@ -552,14 +472,6 @@ def run_batch(cfg: BatchConfig) -> dict:
     if n_proc > 1:
         finish_part(cfg, out_path, lines, summary, settings)
     return summary
-
-
-def _line(obj: dict) -> bytes:
-    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
-
-
-def throttle_path(out_path: str) -> str:
-    return f"{out_path}.throttle.json"
 
 
 def run_figures(results) -> Figures | None:
