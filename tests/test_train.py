@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -204,3 +205,37 @@ def test_simulated_path_mal_is_the_engines_greedy_mal(default_model, tmp_path):
     checked, accepted = np.sum([r.checked for r in rows], 0), np.sum([r.accepted for r in rows], 0)
     assert abs(sim["path_per_position"][0] - accepted[0] / checked[0]) < 0.06
     assert sim["path_steps"] > 0.9 * sum(r.steps for r in rows)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("optim.steps=-5", "optim.steps must be >= 1"), ("optim.steps=0", "optim.steps must be >= 1"),
+    ("optim.lr=-1", "optim.lr must be > 0"), ("optim.lr=0", "optim.lr must be > 0"),
+    ("optim.lr=.nan", "optim.lr must be a finite number"), ("optim.batch_size=0", "optim.batch_size must be >= 1"),
+    ("optim.end_lr_fraction=2", "in [0, 1]"), ("optim.clip=0", "optim.clip must be > 0"),
+    ("optim.steps=true", "optim.steps must be int"), ("data.num_prompts=0", "data.num_prompts must be >= 1"),
+    ("data.seq_len=16", "must exceed data.max_prompt_tokens"), ("data.seed=-1", "data.seed must be"),
+    ("export_dtype=int8", "export_dtype must be one of"), ("data.source=7", "data.source must be a string"),
+])
+def test_recipe_values_are_range_checked(tmp_path, override, match):
+    p = tmp_path / "r.yaml"
+    p.write_text("drafter: eagle3\nout_dir: x\ndata: {}\nmodel: {}\noptim: {}\n")
+    with pytest.raises(RecipeError, match=re.escape(match)):
+        load_recipe(str(p), [override])
+
+
+@pytest.mark.parametrize("override, match", [
+    ("optim.steps=-5", "optim.steps must be >= 1"), ("model.ttt_step=2", "unknown key model.ttt_step"),
+    ("out_dir=/proc/specjax-run", "cannot create files in /proc"),
+])
+def test_cli_bad_recipe_values_fail_before_the_target_loads(tmp_path, capsys, monkeypatch, override, match):
+    """`specjax train ... optim.steps=-5` used to load the target and start regenerating."""
+    import specjax.models.loading
+    from specjax.cli import main
+
+    monkeypatch.setattr(specjax.models.loading, "load_model", lambda *a, **k: pytest.fail("the target loaded"))
+    p = tmp_path / "r.yaml"
+    p.write_text(f"drafter: eagle3\nout_dir: {tmp_path / 'run'}\ndata: {{}}\nmodel: {{}}\noptim: {{}}\n")
+    assert main(["train", "--config", str(p), override]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and match in err, err
+    assert not (tmp_path / "run").exists()

@@ -108,6 +108,32 @@ def feature_layers(recipe: Recipe, target) -> tuple[int, ...]:
     raise RecipeError(f"unknown drafter to train {recipe.drafter!r} (known: {', '.join(TASKS)})")
 
 
+def check_before_loading(recipe: Recipe) -> None:
+    """What the user can get wrong, checked before the target loads (which takes seconds to
+    minutes) and before anything is written: the task, the keys of the model section (against the
+    task's parameters), and that out_dir and data.cache_dir can be created and written."""
+    import inspect
+
+    from specjax.files import check_can_create_dir
+
+    if recipe.drafter not in TASKS:
+        raise RecipeError(f"unknown drafter to train {recipe.drafter!r} (known: {', '.join(TASKS)})")
+    if recipe.drafter == "eagle3":
+        from train.eagle3 import Eagle3Task as task
+    elif recipe.drafter == "mtp":
+        from train.mtp import MTPTask as task
+    else:
+        from train.draft_model import DraftDistillTask as task
+    params = inspect.signature(task.__init__).parameters
+    known = [p for p in params if p not in ("self", "target", "counts")]
+    unknown = sorted(set(recipe.model) - set(known))
+    if unknown:
+        raise RecipeError(f"unknown key model.{unknown[0]} for drafter {recipe.drafter} (known: {', '.join(known)})")
+    check_can_create_dir(recipe.out_dir, "out_dir")
+    if recipe.cache_dir != recipe.out_dir:
+        check_can_create_dir(recipe.cache_dir, "data.cache_dir")
+
+
 def run(recipe: Recipe, console: Console | None = None, stop_after: int | None = None) -> dict:
     """The whole pipeline; returns a summary (also written to out_dir/summary.json)."""
     from specjax.models.loading import load_model
@@ -115,8 +141,7 @@ def run(recipe: Recipe, console: Console | None = None, stop_after: int | None =
     from train.loop import fit
 
     console = console or Console(stderr=True)
-    if recipe.drafter not in TASKS:
-        raise RecipeError(f"unknown drafter to train {recipe.drafter!r} (known: {', '.join(TASKS)})")
+    check_before_loading(recipe)
     target = load_model(recipe.target, dtype="float32")
     layers = feature_layers(recipe, target)
     argv = ["specjax", *sys.argv[1:]] if os.path.basename(sys.argv[0]) == "specjax" else sys.argv

@@ -10,7 +10,8 @@ one clear line (exit code 2) instead of a traceback deep inside training:
     model:  drafter-specific settings (e.g. draft_vocab_size, ttt_steps)
     optim:  train.loop.OptimConfig fields
 
-Overrides use dotted keys and YAML values: `optim.steps=200 data.source=dataset`.
+Overrides use dotted keys and YAML values: `optim.steps=200 data.source=dataset`. Every value
+is checked for its type and its range (`RANGES`) when the recipe loads, before the target does.
 """
 
 from __future__ import annotations
@@ -47,6 +48,29 @@ class DataConfig:
 
 
 REQUIRED_TOP = ("drafter", "out_dir", "data", "model", "optim")
+EXPORT_DTYPES = ("bfloat16", "float32")
+
+# Allowed range of each numeric recipe value: (low, high, low excluded). A value outside it is
+# one line (exit code 2) before the target loads, not a failure (or a silent no-op) later.
+SEED_RANGE = (0, 2**32 - 1, False)
+RANGES = {
+    "data": {"num_prompts": (1, None, False), "eval_prompts": (1, None, False), "max_prompt_tokens": (1, None, False),
+             "max_new_tokens": (1, None, False), "seq_len": (2, None, False), "gen_batch_size": (1, None, False),
+             "feature_batch_size": (1, None, False), "seed": SEED_RANGE},
+    "optim": {"steps": (1, None, False), "batch_size": (1, None, False), "lr": (0, None, True),
+              "warmup_steps": (0, None, False), "end_lr_fraction": (0, 1, False), "clip": (0, None, True),
+              "weight_decay": (0, None, False), "checkpoint_every": (1, None, False),
+              "eval_every": (0, None, False), "max_to_keep": (1, None, False), "seed": SEED_RANGE},
+}
+
+
+def _check_range(name: str, value, rng) -> None:
+    lo, hi, lo_open = rng
+    if value != value or value in (float("inf"), float("-inf")):
+        raise RecipeError(f"{name} must be a finite number, got {value!r}")
+    if (value <= lo if lo_open else value < lo) or (hi is not None and value > hi):
+        want = f"> {lo}" if lo_open and hi is None else f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise RecipeError(f"{name} must be {want}, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -87,8 +111,13 @@ def _section(cls, raw, name: str):
     kw = {}
     for k, v in raw.items():
         want = type(fields[k].default) if fields[k].default is not dataclasses.MISSING else None
-        if want in (int, float) and not isinstance(v, (int, float)) or want is int and isinstance(v, float):
+        if want in (int, float) and (not isinstance(v, (int, float)) or isinstance(v, bool)) or (
+                want is int and isinstance(v, float)):
             raise RecipeError(f"{name}.{k} must be {want.__name__}, got {v!r}")
+        if want is str and not isinstance(v, str):
+            raise RecipeError(f"{name}.{k} must be a string, got {v!r}")
+        if k in RANGES.get(name, {}):
+            _check_range(f"{name}.{k}", v, RANGES[name][k])
         kw[k] = float(v) if want is float else v
     return cls(**kw)
 
@@ -121,8 +150,17 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
         raise RecipeError(f"data.source must be 'regen' or 'dataset', got {data.source!r}")
     if not isinstance(raw["model"], dict):
         raise RecipeError("recipe section 'model' must be a mapping")
-    return Recipe(
-        drafter=str(raw["drafter"]), out_dir=str(raw["out_dir"]), data=data, model=dict(raw["model"]),
-        optim=_section(OptimConfig, raw["optim"], "optim"), target=raw.get("target"),
-        export_dtype=str(raw.get("export_dtype", "bfloat16")),
-    )
+    optim = _section(OptimConfig, raw["optim"], "optim")
+    if data.seq_len <= data.max_prompt_tokens:
+        raise RecipeError(f"data.seq_len ({data.seq_len}) must exceed data.max_prompt_tokens "
+                          f"({data.max_prompt_tokens}): a sequence needs room for its reply")
+    export_dtype = raw.get("export_dtype", "bfloat16")
+    if export_dtype not in EXPORT_DTYPES:
+        raise RecipeError(f"export_dtype must be one of {', '.join(EXPORT_DTYPES)}, got {export_dtype!r}")
+    for key in ("drafter", "out_dir"):
+        if not isinstance(raw[key], str) or not raw[key]:
+            raise RecipeError(f"{key} must be a non-empty string, got {raw[key]!r}")
+    if raw.get("target") is not None and not isinstance(raw["target"], str):
+        raise RecipeError(f"target must be a model path or null, got {raw['target']!r}")
+    return Recipe(drafter=raw["drafter"], out_dir=raw["out_dir"], data=data, model=dict(raw["model"]), optim=optim,
+                  target=raw.get("target"), export_dtype=export_dtype)
