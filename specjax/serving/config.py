@@ -50,6 +50,9 @@ class ServingConfig:
     default_class: str = "interactive"  # for requests that name none (and no API key / route)
     api_keys: dict[str, str] = dataclasses.field(default_factory=dict)  # API key -> latency class
     default_max_tokens: int = 256  # chat completions without max_tokens (capped by the context)
+    # Largest request body accepted (413 above it). 4 MiB of text is far more tokens than any
+    # context served here, and tokenizing it costs seconds of CPU (off the event loop).
+    max_request_bytes: int = 4 * 1024 * 1024
     step_costs: Any = None  # {bucket: {K: seconds}} or a JSON path; None = measure at warm-up
     calibrate_costs: bool = True  # scale the step costs by what the chunks actually take (policy.py)
     cost_refresh_chunks: int = 32  # with calibration: run plain a chunk when K = 0 has not been timed
@@ -69,6 +72,8 @@ class ServingConfig:
             bad("cost_refresh_chunks and confidence_z must be >= 0")
         if self.chunk_steps < 1:
             bad(f"chunk_steps must be >= 1, got {self.chunk_steps}")
+        if self.max_request_bytes < 1024:
+            bad(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.max_seq_len < 2:
             bad(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.policy not in POLICIES:

@@ -16,6 +16,12 @@ defaults are OpenAI's (temperature 1, top_p 1; `max_tokens` 16 for completions, 
 requests get a 400 with `{"error": {"message", "type", "param", "code"}}`; a client that
 disconnects has its request cancelled, which frees its row before the next chunk.
 
+Bad input never costs the other clients: a body over `max_request_bytes` (serving config,
+default 4 MiB) is refused with a 413 before it is all read; JSON nested too deeply is a 400; and
+JSON parsing, the chat template and tokenizing run in a worker thread, so `/health` and the
+streams keep answering while a large prompt is tokenized. Message content is encoded as text:
+control-token strings typed in a message never become control tokens (specjax/prompt_text.py).
+
 Threads: HTTP handlers run on uvicorn's event loop; the scheduler thread owns the device and
 calls back with tokens through `loop.call_soon_threadsafe`. Text is detokenized here,
 incrementally (a partial UTF-8 character or a possible stop-string prefix is held back), and
@@ -33,6 +39,7 @@ import time
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -65,14 +72,23 @@ class ApiError(Exception):
 # ---- request parsing ---------------------------------------------------------------------------
 
 
+def _show(v, limit: int = 80) -> str:
+    """A short repr of a client's value for an error message (any depth, any size)."""
+    try:
+        text = repr(v) if not isinstance(v, (list, dict)) or len(v) < 64 else f"<a {type(v).__name__}>"
+    except (RecursionError, ValueError):
+        text = f"<a {type(v).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _number(body: dict, name: str, default, lo=None, hi=None, integer=False, lo_open=False):
     v = body.get(name)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not float(v).is_integer()):
-        raise ApiError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {v!r}", name)
+        raise ApiError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {_show(v)}", name)
     if v != v or v in (float("inf"), float("-inf")):
-        raise ApiError(f"'{name}' must be finite, got {v!r}", name)
+        raise ApiError(f"'{name}' must be finite, got {_show(v)}", name)
     if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
         rng = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
         raise ApiError(f"'{name}' must be in {rng}, got {v!r}", name)
@@ -155,6 +171,10 @@ def parse_prompt(body: dict, vocab: int):
     raise ApiError("'prompt' must be a non-empty string or list of token ids (one prompt per request)", "prompt")
 
 
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
 # ---- text streaming ----------------------------------------------------------------------------
 
 
@@ -197,8 +217,23 @@ class Api:
 
     # -- helpers
 
-    async def body(self, request: HttpRequest) -> dict:
-        raw = await request.body()
+    async def read_body(self, request: HttpRequest) -> bytes:
+        """The request body, refused (413) beyond `max_request_bytes` before it is all read."""
+        limit = self.cfg.max_request_bytes
+        too_big = ApiError(f"request body larger than this server's limit of {limit} bytes", code="request_too_large",
+                           status=413)
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def body(self, raw: bytes) -> dict:
         try:
             body = json.loads(raw)
         except UnicodeDecodeError:
@@ -206,13 +241,17 @@ class Api:
         except json.JSONDecodeError as e:
             raise ApiError(f"malformed JSON body: {e.msg} (line {e.lineno}, column {e.colno})",
                            code="invalid_json") from None
+        except RecursionError:
+            raise ApiError("JSON body nested too deeply", code="invalid_json") from None
+        except ValueError as e:  # e.g. an integer of more digits than Python converts
+            raise ApiError(f"invalid JSON body: {e}", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError("the request body must be a JSON object", code="invalid_json")
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError("'model' is required (see GET /v1/models)", "model")
         if model != self.name:
-            raise ApiError(f"model {model!r} is not served here; available: {self.name!r}", "model",
+            raise ApiError(f"model {_show(model)} is not served here; available: {self.name!r}", "model",
                            "model_not_found")
         return body
 
@@ -220,7 +259,7 @@ class Api:
         cls = body.get("latency_class")
         if cls is not None:
             if cls not in LATENCY_CLASSES:
-                raise ApiError(f"'latency_class' must be one of {', '.join(LATENCY_CLASSES)}, got {cls!r}",
+                raise ApiError(f"'latency_class' must be one of {', '.join(LATENCY_CLASSES)}, got {_show(cls)}",
                                "latency_class")
             return cls
         auth = request.headers.get("authorization", "")
@@ -250,29 +289,11 @@ class Api:
         return await self._handle(request, chat=True)
 
     async def _handle(self, request: HttpRequest, chat: bool) -> Response:
-        from specjax.generate import encode_prompt
-
         try:
-            body = await self.body(request)
-            if chat:
-                prompt = parse_messages(body)
-                sp, stops, given = parse_sampling(body, self.cfg.default_max_tokens)
-            else:
-                prompt = parse_prompt(body, self.model.config.vocab_size)
-                sp, stops, given = parse_sampling(body, 16)
-            stream = body.get("stream", False)
-            if not isinstance(stream, bool):
-                raise ApiError("'stream' must be a boolean", "stream")
-            opts = body.get("stream_options") or {}
-            if not isinstance(opts, dict):
-                raise ApiError("'stream_options' must be an object", "stream_options")
-            try:
-                ids = encode_prompt(self.model, prompt, raw=not chat)
-            except SpecjaxError as e:
-                raise ApiError(str(e), "messages" if chat else "prompt") from None
-            except Exception as e:  # a chat template that rejects these messages
-                raise ApiError(f"cannot apply the chat template: {e}", "messages") from None
-            req = self.make_request(request, body, ids, sp, given)
+            raw = await self.read_body(request)
+            # JSON parsing, templating and tokenizing cost CPU in proportion to the body (seconds
+            # for megabytes): in a worker thread, so the event loop keeps serving other clients.
+            req, stream, include_usage, stops = await run_in_threadpool(self._prepare, request, raw, chat)
         except ApiError as e:
             return e.response()
         except SpecjaxError as e:  # sampling values out of range
@@ -289,9 +310,41 @@ class Api:
         text = TextStream(self.model.tokenizer, stops)
         meta = {"id": ("chatcmpl-" if chat else "cmpl-") + req.id, "created": int(time.time()), "model": self.name}
         if stream:
-            gen = self._stream(request, req, queue, text, meta, chat, bool(opts.get("include_usage")))
+            gen = self._stream(request, req, queue, text, meta, chat, include_usage)
             return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._complete(request, req, queue, text, meta, chat)
+
+    def _prepare(self, request: HttpRequest, raw: bytes, chat: bool) -> tuple[Request, bool, bool, list[str]]:
+        """(request, stream, include_usage, stop strings) of a body; raises ApiError / SpecjaxError."""
+        from specjax.generate import encode_prompt
+
+        try:
+            body = self.body(raw)
+            if chat:
+                prompt = parse_messages(body)
+                sp, stops, given = parse_sampling(body, self.cfg.default_max_tokens)
+            else:
+                prompt = parse_prompt(body, self.model.config.vocab_size)
+                sp, stops, given = parse_sampling(body, 16)
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise ApiError("'stream' must be a boolean", "stream")
+            opts = body.get("stream_options") or {}
+            if not isinstance(opts, dict):
+                raise ApiError("'stream_options' must be an object", "stream_options")
+            try:
+                ids = encode_prompt(self.model, prompt, raw=not chat)
+            except SpecjaxError as e:
+                raise ApiError(str(e), "messages" if chat else "prompt") from None
+            except RecursionError:
+                raise
+            except Exception as e:  # a chat template that rejects these messages; a tokenizer failure
+                what = "cannot apply the chat template" if chat else "cannot tokenize the prompt"
+                raise ApiError(f"{what}: {type(e).__name__}: {first_line(e)}",
+                               "messages" if chat else "prompt") from None
+            return self.make_request(request, body, ids, sp, given), stream, bool(opts.get("include_usage")), stops
+        except RecursionError:
+            raise ApiError("request nested too deeply", code="invalid_json") from None
 
     async def _events(self, request: HttpRequest, req: Request, queue: asyncio.Queue, text: TextStream,
                       poll_disconnect: bool):
