@@ -167,3 +167,38 @@ def test_unseeded_rows_draw_fresh_streams(models):
     seeded = dataclasses.replace(free, seed=9)
     again = [specjax.generate([PROMPT], model=target, sampling=seeded)[0].token_ids for _ in range(2)]
     assert again[0] == again[1]
+
+
+def test_sampled_law_holds_across_rows_switching_speculation_off_and_on(models):
+    """`--spec-policy auto` with a verify that costs 1.6 plain steps: a row whose first draft is
+    rejected pays no more (waits one plain step) and probes again, one whose drafts are accepted
+    keeps verifying. Over the first four tokens rows mix verify and plain steps in every order
+    the policy allows; the first two tokens' joint law and the third's and fourth's marginals are
+    the target's."""
+    from specjax import row_policy
+
+    target, draft = models
+    sp = SETTINGS[0]
+    seeded = [dataclasses.replace(sp, seed=7 * N_ROWS + i, max_new_tokens=4) for i in range(N_ROWS)]
+    rows = Engine(target).generate([PROMPT] * N_ROWS, seeded, drafter=DraftModelDrafter(2, draft, target.config),
+                                   spec_mode=row_policy.AUTO, costs=row_policy.cost_table(2, 1.6))
+    assert all(len(r.token_ids) == 4 for r in rows)
+    switched = sum(1 for r in rows if r.checked[0] >= 2 and r.steps > r.checked[0])  # verify, plain, verify
+    stayed_on = sum(1 for r in rows if r.checked[0] == r.steps >= 2)  # accepted enough to keep verifying
+    assert switched > N_ROWS // 20 and stayed_on > N_ROWS // 20, (switched, stayed_on)
+    law4 = exact_law(target, PROMPT, sp, 4)
+    law2: dict = {}
+    third, fourth = np.zeros(V), np.zeros(V)
+    for path, pr in law4.items():
+        law2[path[:2]] = law2.get(path[:2], 0.0) + pr
+        third[path[2]] += pr
+        fourth[path[3]] += pr
+    cells = sorted(law2)
+    index = {c: i for i, c in enumerate(cells)}
+    counts = np.zeros(len(cells))
+    for r in rows:
+        counts[index[tuple(r.token_ids[:2])]] += 1
+    p_joint = g_test_pvalue(counts, np.array([law2[c] for c in cells]))
+    p_third = g_test_pvalue(np.bincount([r.token_ids[2] for r in rows], minlength=V), third)
+    p_fourth = g_test_pvalue(np.bincount([r.token_ids[3] for r in rows], minlength=V), fourth)
+    assert min(p_joint, p_third, p_fourth) > 1e-3 / 3, (p_joint, p_third, p_fourth)

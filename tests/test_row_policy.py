@@ -1,0 +1,141 @@
+"""The per-row speculation fallback (`--spec-policy auto`, specjax/row_policy.py): greedy output
+token-identical to plain decoding for every shipped drafter on the real default model; a drafter
+whose drafts are never accepted verifies on a few percent of steps; a well-accepted one keeps
+verifying; the policy's own rule on hand-made observations; the measured cost table and its cache.
+The sampled law over rows that switch speculation off and on is in test_sampled_engine.py."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import row_policy
+from specjax.drafters import make_drafter
+from specjax.drafters.base import Drafter, Proposal
+from specjax.engine import Engine
+from specjax.generate import encode_prompt
+from specjax.models.config import tiny
+from specjax.models.loading import random_model
+from specjax.sampling import SamplingParams
+
+PROMPTS = ["Write a Python function that checks whether a number is prime.",
+           "What are three tips for staying healthy?",
+           'Repeat the sentence "the cat sat on the mat" five times.']
+
+
+class RandomDrafter(Drafter):
+    """Drafts uniformly random tokens: accepted about 1/V of the time."""
+
+    name = "random"
+
+    def __init__(self, num_draft: int, vocab: int):
+        super().__init__(num_draft)
+        self.vocab = vocab
+
+    def propose(self, dparams, state, ctx):
+        mix = ctx.seeds[:, None] * jnp.uint32(2654435761) + jnp.arange(self.num_draft, dtype=jnp.uint32)[None]
+        return Proposal((mix % jnp.uint32(self.vocab)).astype(jnp.int32)), state  # [B, K]
+
+
+@pytest.fixture(scope="module")
+def real(default_model):
+    """(engine, prompt ids, plain greedy rows) on the default model."""
+    engine = Engine(default_model)
+    ids = [encode_prompt(default_model, p) for p in PROMPTS]
+    params = [SamplingParams(max_new_tokens=40)] * len(ids)
+    return engine, ids, engine.generate(ids, params, eos_ids=default_model.config.eos_token_ids)
+
+
+@pytest.mark.parametrize("kind, k", [("ngram", 5), ("eagle3", 5), ("mtp", 3), ("draft", 4)])
+def test_auto_policy_greedy_is_token_identical_to_plain(default_model, real, kind, k):
+    """A cost table under which rows switch (a verify of K drafts costs 2 plain steps)."""
+    engine, ids, plain = real
+    rows = engine.generate(ids, [SamplingParams(max_new_tokens=40)] * len(ids),
+                           eos_ids=default_model.config.eos_token_ids, drafter=make_drafter(kind, k, default_model),
+                           spec_mode=row_policy.AUTO, costs=row_policy.cost_table(k, 2.0))
+    for r, p in zip(rows, plain):
+        assert r.token_ids == p.token_ids
+        assert 0 <= r.checked[0] <= r.steps
+
+
+def test_never_accepted_drafter_verifies_on_a_few_percent_of_steps():
+    cfg = tiny(vocab_size=64, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+               max_position_embeddings=1024)
+    engine = Engine(random_model(cfg, seed=0))
+    costs = row_policy.cost_table(4, 1.8)
+    params = [SamplingParams(max_new_tokens=600, ignore_eos=True)] * 2
+    rows = engine.generate([[1, 2, 3], [4, 5]], params, drafter=RandomDrafter(4, 64), spec_mode=row_policy.AUTO,
+                           costs=costs)
+    always = engine.generate([[1, 2, 3], [4, 5]], params, drafter=RandomDrafter(4, 64))
+    for r, a in zip(rows, always):
+        assert r.token_ids == a.token_ids  # greedy: the policy never changes the text
+        assert r.checked[0] / r.steps <= 0.03, (r.checked[0], r.steps)
+        assert a.checked[0] == a.steps  # without the policy, every step verifies
+
+
+def test_well_accepted_drafter_keeps_verifying():
+    """The target as its own draft model: every draft accepted, so every step verifies."""
+    from specjax.drafters.draft_model import DraftModelDrafter
+
+    cfg = tiny(vocab_size=64, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
+    target = random_model(cfg, seed=0)
+    engine = Engine(target)
+    params = [SamplingParams(max_new_tokens=64, ignore_eos=True)]
+    ref = engine.generate([[1, 2]], params)[0].token_ids
+    row = engine.generate([[1, 2]], params, drafter=DraftModelDrafter(3, target, target.config),
+                          spec_mode=row_policy.AUTO, costs=row_policy.cost_table(3, 2.5))[0]
+    assert row.token_ids == ref
+    assert row.checked[0] == row.steps and sum(row.accepted) == sum(row.checked)
+
+
+def test_policy_rule_on_observations():
+    """Rejected probe -> waits 1, 2, 4, ... up to MAX_WAIT; a paying verify keeps it on; rows
+    whose drafter proposed nothing learn nothing; waiting rows count down only while live."""
+    b = 4
+    pol = row_policy.new_policy(b, row_policy.cost_table(4, 2.0), row_policy.AUTO)
+    live = jnp.array([True, True, True, False])
+    on = row_policy.plan(pol, live)
+    assert on.tolist() == [True, True, True, False]
+    width = jnp.array([4, 4, 0, 0])
+    pol = row_policy.update(pol, on, live, width, jnp.array([1, 4, 0, 0]), jnp.array([0, 4, 0, 0]))
+    assert pol.wait.tolist() == [1, 0, 0, 0] and pol.backoff.tolist() == [2, 1, 1, 1]
+    waits = []
+    for _ in range(40):
+        on = row_policy.plan(pol, live)
+        w = jnp.where(on, 4, 0)
+        pol = row_policy.update(pol, on, live, w, jnp.where(on, 1, 0), jnp.zeros(b, jnp.int32))
+        waits.append(int(pol.wait[0]) if bool(on[0]) else None)
+    probes = [x for x in waits if x is not None]
+    assert probes[:5] == [2, 4, 8, 16, 32] and max(probes) <= row_policy.MAX_WAIT
+    assert pol.wait[3] == 0  # a done row neither waits nor learns
+    assert row_policy.plan(pol.replace(mode=jnp.asarray(row_policy.ALWAYS)), live).tolist() == live.tolist()
+
+
+def test_generate_auto_measures_costs_once_and_caches_them_on_disk(default_model, real, tmp_path, monkeypatch):
+    """`specjax.generate` (spec_policy="auto" by default) measures the cost table on the batch's
+    own shapes, writes it to $SPECJAX_CACHE/step-costs.json, reuses it without measuring, and
+    still gives plain decoding's greedy text."""
+    engine, ids, plain = real
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(row_policy, "_COSTS", {})
+    out = specjax.generate(PROMPTS[:1], model=default_model, sampling=SamplingParams(max_new_tokens=40),
+                           drafter="ngram", num_draft=4)
+    assert out[0].token_ids == plain[0].token_ids
+    assert out[0].stats.spec_policy == "auto" and 0 <= out[0].stats.verified_steps <= out[0].stats.steps
+    stored = json.loads((tmp_path / "step-costs.json").read_text())
+    (key,) = stored
+    assert default_model.name in key and "ngram" in key and "B1" in key
+    assert 1.0 < stored[key] < 5.0  # a 5-token verify costs more than a plain step and less than five
+    monkeypatch.setattr(row_policy, "_COSTS", {})  # a new process: only the file remains
+    monkeypatch.setattr(engine, "generate", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured again")))
+    drafter = make_drafter("ngram", 4, default_model)
+    table = row_policy.measure_costs(engine, ids[:1], [SamplingParams(max_new_tokens=40)],
+                                     default_model.config.eos_token_ids, drafter, "ngram")
+    assert table.shape == (5,) and table[0] == 1.0 and table[-1] == pytest.approx(stored[key])
+    assert np.all(np.diff(table) >= 0)
+    with pytest.raises(specjax.InvalidSamplingError, match="spec_policy"):
+        specjax.generate(PROMPTS[:1], model=default_model, drafter="ngram", spec_policy="sometimes")
