@@ -58,11 +58,14 @@ def test_recommendation_per_suite():
     assert "B=1: draft:small K=3 (1.80x)" in code["text"] and "plain decoding wins from B=16" in code["text"]
     chat = recs[("chat", 0.0)]
     assert chat["plain_wins_from"] == 1  # a tie (1.00x) is not a win for speculation
-    assert recs[("code", 0.7)]["text"].endswith("speculation pays at every measured batch size")
+    assert chat["text"].endswith("plain decoding wins at every measured batch size (B=1, 4)")
+    assert "; measured at B=1, 4, 16" in code["text"]
+    # one batch size measured: the line says so instead of "every measured batch size"
+    assert recs[("code", 0.7)]["text"].endswith("speculation pays at B=1 (the only batch size measured)")
     # plain wins at a small batch but not at the largest: no "from", say where
     mixed = report.recommend(report.add_speedups([row("s", 1, "none", 0, 10.0), row("s", 1, "ngram", 3, 9.0),
                                                   row("s", 2, "none", 0, 10.0), row("s", 2, "ngram", 3, 12.0)]))[0]
-    assert mixed["plain_wins_from"] is None and mixed["text"].endswith("plain decoding wins at B=1 only")
+    assert mixed["plain_wins_from"] is None and mixed["text"].endswith("plain decoding wins at B=1 only; measured at B=1, 2")
 
 
 def test_peer_comparison_ratio():

@@ -113,18 +113,31 @@ def recommend(rows: list[dict]) -> list[dict]:
                                         f"{e['label']} K={e['num_draft']} ({e['speedup']:.2f}x)")
             for e in entries
         ]
-        if not plain_at:
-            tail = "speculation pays at every measured batch size"
-        elif plain_from is not None:
-            earlier = [b for b in plain_at if b < plain_from]
-            tail = f"plain decoding wins from B={plain_from}" + (
-                f" (and at B={', '.join(map(str, earlier))})" if earlier else "")
-        else:
-            tail = f"plain decoding wins at B={', '.join(map(str, plain_at))} only"
+        tail = _verdict([e["batch_size"] for e in entries], plain_at, plain_from)
         text = f"{suite} (T={temp:g}): " + ", ".join(parts) + f"; {tail}"
         out.append({"suite": suite, "temperature": temp, "by_batch": entries, "plain_wins_at": plain_at,
                     "plain_wins_from": plain_from, "text": text})
     return out
+
+
+def _verdict(measured: list[int], plain_at: list[int], plain_from: int | None) -> str:
+    """The end of a recommendation line; it names the batch sizes measured, so a run at one
+    batch size never reads as a claim about every batch size."""
+    def bs(xs):
+        return ", ".join(map(str, xs))
+
+    if len(measured) == 1:
+        who = "speculation pays" if not plain_at else "plain decoding wins"
+        return f"{who} at B={measured[0]} (the only batch size measured)"
+    if not plain_at:
+        return f"speculation pays at every measured batch size (B={bs(measured)})"
+    if plain_from == measured[0]:
+        return f"plain decoding wins at every measured batch size (B={bs(measured)})"
+    if plain_from is not None:
+        earlier = [b for b in plain_at if b < plain_from]
+        return (f"plain decoding wins from B={plain_from}" + (f" (and at B={bs(earlier)})" if earlier else "")
+                + f"; measured at B={bs(measured)}")
+    return f"plain decoding wins at B={bs(plain_at)} only; measured at B={bs(measured)}"
 
 
 def compare_peers(rows: list[dict], peer_rows: list[dict]) -> list[dict]:
