@@ -137,19 +137,21 @@ def test_tiny_bench_hf_peer_and_skipped_llamacpp(tiny_bench):
     assert all(r["batch_size"] == 1 and r["tokens_per_second"] > 0 for r in tiny_bench["peers"])
     (cmp,) = tiny_bench["peer_comparison"]
     assert cmp["peer"] == "hf" and cmp["ratio"] > 0
-    if peers.importlib.util.find_spec("llama_cpp") is None:
-        assert "not installed" in tiny_bench["peers_skipped"]["llamacpp"]
+    assert tiny_bench["peers_status"]["hf"]["status"] == "ok"  # in a process of its own
+    assert tiny_bench["peers_status"]["hf"]["rows"] == len(tiny_bench["peers"])
+    why = tiny_bench["peers_skipped"]["llamacpp"]  # the tiny model is an HF directory, not a GGUF
+    assert ("not installed" if peers.importlib.util.find_spec("llama_cpp") is None else "reads GGUF files") in why
+    assert tiny_bench["peers_status"]["llamacpp"]["status"] == "skipped"
 
 
 def test_missing_llamacpp_is_a_skip_line_not_an_error(monkeypatch):
     import types
 
     monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None)
-    logged = []
     model = types.SimpleNamespace(config=types.SimpleNamespace(eos_token_ids=(2,)), source="x.gguf")
-    got, skipped = peers.prepare_peers(["llamacpp"], model, [], [3], types.SimpleNamespace(log=logged.append))
-    assert got == [] and "llama_cpp package is not installed" in skipped["llamacpp"]
-    assert len(logged) == 1 and logged[0].startswith("peer llamacpp: skipped (")
+    run, skipped = peers.plan_peers(["llamacpp", "hf"], model)
+    assert run == ["hf"] and "llama_cpp package is not installed" in skipped["llamacpp"]
+    assert "specjax[peers]" in skipped["llamacpp"]
 
 
 def test_hf_peer_needs_torch(monkeypatch):

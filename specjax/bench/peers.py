@@ -8,7 +8,11 @@
   as a complete HF directory so that transformers can load it).
 * `llamacpp`: llama.cpp's Python binding (`llama_cpp`), when importable and the model is a GGUF
   (it then runs the file's own quantised weights): plain and prompt lookup. Otherwise it is
-  skipped with one line, not an error: it is an optional comparison.
+  skipped with one line, not an error: it is an optional comparison (`pip install
+  'specjax[peers]'`).
+
+Each peer runs in a process of its own (`peer_process.py`), after specjax's own measurements:
+a crash inside torch or llama.cpp then costs only that peer's unfinished rows, reported as such.
 
 Prompts are fed as token ids (the chat template applied once, by specjax), so every
 implementation sees identical inputs and stops on the same EOS ids. HF's prompt lookup and
@@ -149,126 +153,168 @@ class HFPeer:
 
 
 class LlamaCppPeer:
-    """llama.cpp through `llama_cpp.Llama` (GGUF only): plain and prompt-lookup decoding."""
+    """llama.cpp through `llama_cpp.Llama` (GGUF only): plain and prompt-lookup decoding.
+
+    llama-cpp-python (0.3.x) decides at construction whether a context keeps logits for every
+    position of a decode (`logits_all`): prompt lookup samples at each drafted position, so it
+    needs them, while plain decoding samples only the last one. Setting `draft_model` on a
+    context made without them made the sampler read logits that were never computed
+    (`GGML_ASSERT(logits != nullptr)`, SIGABRT). So plain decoding runs on a context without
+    them (its fastest form) and prompt lookup on a second one made with a draft model, hence
+    with them; both map the same file. `n_ctx` must hold the longest prompt plus the new tokens
+    plus one step's drafts: a logits-for-all context keeps n_ctx x vocab floats.
+    """
 
     name = "llamacpp"
 
-    def __init__(self, gguf_path: str, eos_ids, threads: int, n_ctx: int = 4096):
+    def __init__(self, gguf_path: str, eos_ids, threads: int, n_ctx: int = 2048):
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=threads, verbose=False)
+        self.path, self.n_ctx = gguf_path, int(n_ctx)
+        self.llm = Llama(model_path=gguf_path, n_ctx=self.n_ctx, n_threads=threads, n_threads_batch=threads,
+                         verbose=False)
+        self._lookup = None  # the logits-for-all context, made on first use
         self.eos_ids = {int(e) for e in eos_ids}
         self.threads = threads
 
     def configs(self, num_drafts: list[int], drafter_specs: list[str]) -> list[PeerConfig]:
         return [PeerConfig("plain", 0, "none")] + [PeerConfig("prompt_lookup", k, "prompt_lookup") for k in num_drafts]
 
-    def generate(self, prompt_ids, max_new_tokens, temperature=0.0, seed=0, config=None) -> list[int]:
-        config = config or PeerConfig("plain", 0, "none")
-        if config.method == "prompt_lookup":
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    def _lookup_llm(self, k: int):
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-            self.llm.draft_model = LlamaPromptLookupDecoding(num_pred_tokens=config.num_draft)
-        else:
-            self.llm.draft_model = None
-        self.llm.set_seed(seed)
+        if self._lookup is None:
+            self._lookup = Llama(model_path=self.path, n_ctx=self.n_ctx, n_threads=self.threads,
+                                 n_threads_batch=self.threads, logits_all=True,
+                                 draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k), verbose=False)
+        self._lookup.draft_model = LlamaPromptLookupDecoding(num_pred_tokens=k)
+        return self._lookup
+
+    def generate(self, prompt_ids, max_new_tokens, temperature=0.0, seed=0, config=None) -> list[int]:
+        """Generated token ids (the stop token included, as specjax reports them)."""
+        config = config or PeerConfig("plain", 0, "none")
+        llm = self._lookup_llm(config.num_draft) if config.method == "prompt_lookup" else self.llm
+        llm.set_seed(seed)
         out = []
         # top_k=0, top_p=1, min_p=0: no truncation, as specjax's defaults; temp 0 is greedy
-        for tok in self.llm.generate(prompt_ids, temp=temperature, top_k=0, top_p=1.0, min_p=0.0,
-                                     repeat_penalty=1.0, reset=True):
+        for tok in llm.generate(list(prompt_ids), temp=temperature, top_k=0, top_p=1.0, min_p=0.0,
+                                repeat_penalty=1.0, reset=True):
             out.append(int(tok))
             if tok in self.eos_ids or len(out) >= max_new_tokens:
                 break
         return out
 
 
-def prepare_peers(names: list[str], model, drafter_specs: list[str], num_drafts: list[int], console,
-                  threads: int | None = None) -> tuple[list, dict[str, str]]:
-    """Load the requested peers and their assistant models before anything is timed, so a peer
-    that cannot load fails the run at once. Returns ([(peer, configs)], {name: skip reason})."""
-    threads = threads or os.cpu_count() or 1
-    peers, skipped = [], {}
-    eos = model.config.eos_token_ids
+def context_size(suite_ids: dict[str, list[list[int]]], max_new_tokens: int, num_drafts: list[int]) -> int:
+    """A llama.cpp context that holds every prompt, its new tokens and one step of drafts."""
+    longest = max((len(x) for ids in suite_ids.values() for x in ids), default=0)
+    need = longest + max_new_tokens + max(num_drafts or [0]) + 16
+    return -(-need // 256) * 256
+
+
+def plan_peers(names: list[str], model) -> tuple[list[str], dict[str, str]]:
+    """The peers that can run, and {name: reason} for optional ones that cannot (llamacpp
+    without the package or without a GGUF model): one line each, not an error."""
+    run, skipped = [], {}
     for name in names:
-        if name == "hf":
-            peer = HFPeer.load(model.source, eos, threads)
-            peers.append((peer, peer.configs(num_drafts, drafter_specs, model)))
-        elif name == "llamacpp":
-            if importlib.util.find_spec("llama_cpp") is None:
-                skipped[name] = "the llama_cpp package is not installed (pip install llama-cpp-python)"
-            elif not (os.path.isfile(model.source) and _is_gguf(model.source)):
-                skipped[name] = f"llama.cpp reads GGUF files; the model is {model.source}"
-            else:
-                try:
-                    peer = LlamaCppPeer(model.source, eos, threads)
-                    peers.append((peer, peer.configs(num_drafts, drafter_specs)))
-                except Exception as e:
-                    skipped[name] = f"llama_cpp failed to load {model.source}: {type(e).__name__}: {e}"
-        if name in skipped:
-            console.log(f"peer {name}: skipped ({skipped[name]})")
-    return peers, skipped
+        if name == "llamacpp" and importlib.util.find_spec("llama_cpp") is None:
+            skipped[name] = "the llama_cpp package is not installed (pip install 'specjax[peers]')"
+        elif name == "llamacpp" and not (os.path.isfile(model.source) and _is_gguf(model.source)):
+            skipped[name] = f"llama.cpp reads GGUF files; the model is {model.source}"
+        else:
+            run.append(name)
+    return run, skipped
+
+
+def load_peer(name: str, job: dict):
+    """(peer, configs) for a peer name, from a `peer_process` job (see there): the default
+    factory of the peer subprocess."""
+    threads = job.get("threads") or os.cpu_count() or 1
+    if name == "hf":
+        target = None
+        if any(s.partition(":")[0] == "draft" for s in job["drafters"]):
+            import specjax  # a distilled draft model borrows the target's tables
+
+            target = specjax.load_model(job["model_source"], dtype="float32", quiet=True)
+        peer = HFPeer.load(job["model_source"], job["eos_ids"], threads)
+        return peer, peer.configs(job["num_drafts"], job["drafters"], target)
+    if name == "llamacpp":
+        peer = LlamaCppPeer(job["model_source"], job["eos_ids"], threads,
+                            context_size(job["suite_ids"], job["max_new_tokens"], job["num_drafts"]))
+        return peer, peer.configs(job["num_drafts"], job["drafters"])
+    raise SpecjaxError(f"unknown peer {name!r} (known: {', '.join(KNOWN_PEERS)})")
+
+
+def peer_prompt_runs(n_configs: int, suite_ids: dict[str, list], n_temperatures: int, repeats: int) -> int:
+    """Prompt runs of one peer's `run_peer` (one warm-up per configuration included)."""
+    return n_configs * n_temperatures * sum(1 + repeats * len(ids) for ids in suite_ids.values())
 
 
 def run_peer(peer, configs: list[PeerConfig], suite_ids: dict[str, list[list[int]]], temperatures: list[float],
-             max_new_tokens: int, repeats: int, console) -> list[dict]:
-    """Rows of one peer (speedups are added by `report.add_speedups`)."""
+             max_new_tokens: int, repeats: int, console, progress=None, on_rows=None) -> list[dict]:
+    """Rows of one peer (speedups are added by `report.add_speedups`). `progress` (a
+    `progress.BenchProgress`) follows every configuration and prompt; `on_rows(rows)` gets each
+    (suite, temperature) group's rows as soon as they are measured."""
     torch = None
     if peer.name == "hf":  # torch's thread count is process-wide: set for the peer, then restored
         import torch
 
         old_threads = torch.get_num_threads()
         torch.set_num_threads(peer.threads)
+
+    def label(c):
+        return "plain" if c.method == "plain" else short_label(c.drafter)
+
+    def stage(what, c, n, group):
+        if progress is not None:
+            progress.stage(f"{group[0]} T={group[1]:g} {label(c)} K={c.num_draft} ({what})", n, group)
+
     try:
         rows = []
+        if progress is not None:
+            progress.begin(peer.name, peer_prompt_runs(len(configs), suite_ids, len(temperatures), repeats))
         for suite, ids in suite_ids.items():
             for temp in temperatures:
+                group_key = (suite, temp)
                 warm = {}
                 for c in configs:
+                    stage("warm-up", c, 1, group_key)
                     t0 = time.perf_counter()
                     peer.generate(ids[0], max_new_tokens, temp, 0, c)
                     warm[id(c)] = time.perf_counter() - t0
+                    if progress is not None:
+                        progress.advance()
                 figures = {id(c): [] for c in configs}  # [(tokens, seconds)] per repeat
-                for _ in range(repeats):
+                for rep_i in range(repeats):
                     for c in configs:
+                        stage(f"repeat {rep_i + 1}/{repeats}", c, len(ids), group_key)
                         tokens, secs = 0, 0.0
                         for i, x in enumerate(ids):
                             t0 = time.perf_counter()
                             tokens += len(peer.generate(x, max_new_tokens, temp, i, c))
                             secs += time.perf_counter() - t0
+                            if progress is not None:
+                                progress.advance()
                         figures[id(c)].append((tokens, secs))
+                group = []
                 for c in configs:
                     f = figures[id(c)]
-                    label = "plain" if c.method == "plain" else short_label(c.drafter)
                     row = {
-                        "peer": peer.name, "method": c.method, "drafter": c.drafter, "label": label,
+                        "peer": peer.name, "method": c.method, "drafter": c.drafter, "label": label(c),
                         "num_draft": c.num_draft, "suite": suite, "temperature": temp, "batch_size": 1,
                         "prompts": len(ids), "tokens": statistics.median(t for t, _ in f),
                         "tokens_per_second": statistics.median(t / s for t, s in f),
                         "tokens_per_second_repeats": [t / s for t, s in f],
                         "warmup_seconds": warm[id(c)], "threads": peer.threads,
                     }
-                    rows.append(row)
-                    console.log(f"{peer.name} {suite} T={temp:g} {label} K={c.num_draft}: "
+                    group.append(row)
+                    console.log(f"{peer.name} {suite} T={temp:g} {label(c)} K={c.num_draft}: "
                                 f"{row['tokens_per_second']:.1f} tok/s")
+                rows += group
+                if on_rows is not None:
+                    on_rows(group)
         return rows
     finally:
         if torch is not None:
             torch.set_num_threads(old_threads)
-
-
-def run_peers(peers: list, suite_ids, temperatures, max_new_tokens, repeats, console,
-              skipped: dict[str, str] | None = None) -> list[dict]:
-    """peers: `prepare_peers`'s list. Returns every peer's rows, speedups included. An optional
-    peer (llamacpp) that fails mid-run is recorded in `skipped`, its rows dropped."""
-    from specjax.bench.report import add_speedups
-
-    rows = []
-    for peer, configs in peers:
-        try:
-            rows += run_peer(peer, configs, suite_ids, temperatures, max_new_tokens, repeats, console)
-        except Exception as e:
-            if peer.name == "hf" or skipped is None:
-                raise
-            skipped[peer.name] = f"failed while running: {type(e).__name__}: {e}"
-            console.log(f"peer {peer.name}: skipped ({skipped[peer.name]})")
-    return add_speedups(rows)

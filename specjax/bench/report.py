@@ -35,7 +35,14 @@ JSON written by `--json-out` (one object):
   prompt lookup take one sequence), `prompts`, `tokens`, `tokens_per_second`,
   `tokens_per_second_repeats`, `warmup_seconds`, `threads`, and `speedup` (÷ the same peer's
   plain decoding at the same settings).
-* `peers_skipped`: {peer: one-line reason} for optional peers that could not run.
+* `peers_skipped`: {peer: one-line reason} for every requested peer that did not finish: an
+  optional one that cannot run here (llamacpp without the package or a GGUF model), or one whose
+  process failed or crashed (e.g. "crashed: SIGABRT; last output line: ...").
+* `peers_status`: {peer: {`status`, `reason`, `returncode`, `stderr_tail`, `rows`, `seconds`}}:
+  each requested peer's outcome; `status` is "ok", "skipped", "failed" (a Python exception in
+  the peer's process) or "crashed" (the process died: `reason` names the signal). Each peer runs
+  in its own process (see `peer_process.py`), so a crash loses only that peer's unfinished
+  (suite, temperature) groups; `rows` counts the rows kept.
 * `peer_comparison`: per (suite, temperature, batch size, peer): `specjax_best` and `peer_best`
   ({`label`, `num_draft`, `tokens_per_second`}, plain included) and `ratio` = specjax best tok/s ÷
   peer best tok/s.
@@ -199,17 +206,24 @@ def print_report(report: dict, console=None) -> None:
             _fmt(r.get("warmup_seconds"), ".1f"), _fmt(r.get("peak_memory_mb"), ".0f"),
         )
     console.print(table)
-    if report.get("peers"):
+    lost = {p: st for p, st in (report.get("peers_status") or {}).items() if st["status"] in ("failed", "crashed")}
+    if report.get("peers") or lost:
         pt = Table(title="peers on the same prompt token ids (batch 1)")
         for col in ("peer", "suite", "T", "B", "config", "tok/s", "speedup", "threads"):
             pt.add_column(col, justify="right")
-        for r in report["peers"]:
+        for r in report.get("peers") or []:
             pt.add_row(r["peer"], r["suite"], f"{r['temperature']:g}", str(r["batch_size"]), config_name(r),
                        f"{r['tokens_per_second']:.1f}", _speedup(r),
                        str(r.get("threads", "-")))
+        for peer, st in lost.items():  # its unfinished rows: one line saying why they are missing
+            pt.add_row(peer, "-", "-", "-", f"{st['status']}: {st['reason']}", "-", "-", "-")
         console.print(pt)
     for peer, why in (report.get("peers_skipped") or {}).items():
-        console.print(f"{peer}: skipped ({why})")
+        if peer in lost:
+            kept = lost[peer]["rows"]
+            console.print(f"{peer}: {why}" + (f" ({kept} rows measured before are shown)" if kept else " (no rows)"))
+        else:
+            console.print(f"{peer}: skipped ({why})")
     for c in report.get("peer_comparison") or []:
         console.print(
             f"{c['suite']} (T={c['temperature']:g}, B={c['batch_size']}): specjax best "

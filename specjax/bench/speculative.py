@@ -125,7 +125,8 @@ class RunFigures:
     accepted: np.ndarray  # [K]
 
 
-def run_config(engine: Engine, batches, sampling: SamplingParams, drafter) -> RunFigures:
+def run_config(engine: Engine, batches, sampling: SamplingParams, drafter, on_batch=None) -> RunFigures:
+    """One pass over `batches`; `on_batch(rows)` (progress) is called after each batch."""
     tokens = steps = rows = 0
     seconds = 0.0
     k = drafter.num_draft
@@ -142,6 +143,8 @@ def run_config(engine: Engine, batches, sampling: SamplingParams, drafter) -> Ru
             rows += 1
             checked += r.checked
             accepted += r.accepted
+        if on_batch is not None:
+            on_batch(len(batch))
     return RunFigures(tokens, seconds, steps, rows, checked, accepted)
 
 
@@ -256,34 +259,60 @@ def _row(suite, temp, b, c: Config, runs: list[RunFigures], warm: float, compile
     }
 
 
+def prompt_runs(suite_ids: dict[str, list], n_configs: int, batch_sizes, n_temperatures: int, repeats: int) -> int:
+    """Prompt runs (batch rows generated) of a whole `run_speculative_bench`, warm-ups included:
+    the progress display's total."""
+    total = 0
+    for ids in suite_ids.values():
+        for b in batch_sizes:
+            total += n_configs * b * (1 + repeats * len(batches_of(ids, b)))
+    return total * n_temperatures
+
+
+def _config_label(c: Config) -> str:
+    return "plain" if c.spec == "none" else f"{rep.short_label(c.spec)} K={c.num_draft}"
+
+
 def run_speculative_bench(model, suite_ids: dict[str, list[list[int]]], configs: list[Config],
                           batch_sizes: list[int], temperatures: list[float], max_new_tokens: int,
-                          repeats: int, console=None) -> list[dict]:
-    """suite_ids: name -> token ids of its prompts. Returns result rows, speedups included."""
+                          repeats: int, console=None, progress=None) -> list[dict]:
+    """suite_ids: name -> token ids of its prompts. Returns result rows, speedups included.
+    `progress` (a `progress.BenchProgress`, optional) is told every configuration and batch."""
     from rich.console import Console
 
     console = console or Console(stderr=True, log_path=False)
     engine = Engine(model)
     mem = PeakMemory()
     rows = []
+    if progress is not None:
+        progress.begin("specjax", prompt_runs(suite_ids, len(configs), batch_sizes, len(temperatures), repeats))
+    advance = progress.advance if progress is not None else None
+
+    def stage(what, c, n, group):
+        if progress is not None:
+            progress.stage(f"{group[0]} T={group[1]:g} B={group[2]} {_config_label(c)} ({what})", n, group)
+
     for suite, ids in suite_ids.items():
         for temp in temperatures:
             sampling = SamplingParams(temperature=temp, max_new_tokens=max_new_tokens, seed=0)
             for b in batch_sizes:
                 batches = batches_of(ids, b)
+                group_key = (suite, temp, b)
                 warm, comp_s, comp_mb = {}, {}, {}
                 for c in configs:  # warm-up: compile every shape used below
+                    stage("warm-up", c, b, group_key)
                     before, c0, t0 = _compiled(engine), engine.compile_seconds, time.perf_counter()
-                    run_config(engine, batches[:1], sampling, c.drafter)
+                    run_config(engine, batches[:1], sampling, c.drafter, advance)
                     warm[c.key], comp_s[c.key] = time.perf_counter() - t0, engine.compile_seconds - c0
                     new = [v for k, v in _compiled(engine).items() if k not in before]
                     comp_mb[c.key] = compiled_memory_mb(new) if new else None
                 runs = {c.key: [] for c in configs}
                 peaks = {c.key: (0.0, "") for c in configs}
-                for _ in range(repeats):  # interleaved: plain then every config, per repeat
+                for rep_i in range(repeats):  # interleaved: plain then every config, per repeat
                     for c in configs:
+                        stage(f"repeat {rep_i + 1}/{repeats}", c, len(batches) * b, group_key)
                         mem.reset()
-                        runs[c.key].append(run_config(engine, batches, sampling, c.drafter))
+                        runs[c.key].append(run_config(engine, batches, sampling, c.drafter, advance))
                         mb, src = mem.read()
                         peaks[c.key] = (max(peaks[c.key][0], mb), src)
                 group = []
@@ -306,20 +335,39 @@ def encode_suites(model, suites: dict[str, list]) -> dict[str, list[list[int]]]:
 
 def bench_suites(model, suites: dict[str, list], drafters: list[str], num_drafts: list[int], batch_sizes: list[int],
                  temperatures: list[float], max_new_tokens: int, repeats: int, peers: list[str] = (),
-                 json_out: str | None = None, plots_dir: str | None = None, console=None, out=None) -> dict:
-    """The whole `specjax bench SUITE...` run: measure, compare, recommend, print, write."""
+                 json_out: str | None = None, plots_dir: str | None = None, console=None, out=None,
+                 peer_factory: str | None = None) -> dict:
+    """The whole `specjax bench SUITE...` run: measure, compare, recommend, print, write.
+    Progress goes to stderr (`progress.py`), the report to stdout. Each peer runs in its own
+    process (`peer_process.py`; `peer_factory` "module:function" replaces how peers are made,
+    for tests)."""
     from rich.console import Console
 
+    from specjax.bench import peer_process
     from specjax.bench import peers as peers_mod
+    from specjax.bench.progress import BenchProgress
 
     console = console or Console(stderr=True, log_path=False)
     configs = resolve_configs(drafters, num_drafts, model)  # raises before anything runs
     suite_ids = encode_suites(model, suites)
-    peer_objs, skipped = peers_mod.prepare_peers(list(peers), model, list(drafters), num_drafts, console)
+    peer_names, skipped = peers_mod.plan_peers(list(peers), model)
+    for name, why in skipped.items():
+        console.log(f"peer {name}: skipped ({why})")
     t_start = time.time()
-    rows = run_speculative_bench(model, suite_ids, configs, batch_sizes, temperatures, max_new_tokens, repeats,
-                                 console)
-    peer_rows = peers_mod.run_peers(peer_objs, suite_ids, temperatures, max_new_tokens, repeats, console, skipped)
+    job = {"model_source": model.source, "eos_ids": [int(e) for e in model.config.eos_token_ids],
+           "threads": None, "drafters": list(drafters), "num_drafts": list(num_drafts), "suite_ids": suite_ids,
+           "temperatures": list(temperatures), "max_new_tokens": max_new_tokens, "repeats": repeats}
+    if peer_factory:
+        job["factory"] = peer_factory
+    with BenchProgress(console) as progress:
+        rows = run_speculative_bench(model, suite_ids, configs, batch_sizes, temperatures, max_new_tokens, repeats,
+                                     console, progress)
+        peer_rows, peer_status = peer_process.run_peers(peer_names, job, console, progress)
+    for name, why in skipped.items():
+        peer_status[name] = peer_process.peer_status("skipped", why)
+    for name, st in peer_status.items():
+        if st["status"] != "ok" and name not in skipped:
+            skipped[name] = peer_process.one_line(st)
     report = {
         "kind": "speculative",
         "model": model.name, "model_source": model.source, "dtype": str(model.dtype),
@@ -331,6 +379,7 @@ def bench_suites(model, suites: dict[str, list], drafters: list[str], num_drafts
         "results": rows,
         "peers": peer_rows,
         "peers_skipped": skipped,
+        "peers_status": peer_status,
         "peer_comparison": rep.compare_peers(rows, peer_rows),
         "recommendations": rep.recommend(rows),
         "plots": [],
