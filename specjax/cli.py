@@ -155,6 +155,8 @@ def cmd_bench(a) -> int:
     check_drafter_names(drafters)
     peer_names = [p.strip() for p in (a.peers or "").split(",") if p.strip()]
     peers.check_peers(peer_names)
+    if a.peer_threads is not None and a.peer_threads < 1:
+        raise SpecjaxError(f"--peer-threads must be >= 1, got {a.peer_threads}")
     num_drafts = ints(a.num_draft, "--num-draft")
     batch_sizes = ints(a.batch_sizes, "--batch-sizes")
     if min(num_drafts) < 1 or min(batch_sizes) < 1:
@@ -181,7 +183,7 @@ def cmd_bench(a) -> int:
 
     model = specjax.load_model(a.model, dtype=a.dtype)
     bench_suites(model, prompts, drafters, num_drafts, batch_sizes, temps, a.max_new_tokens, a.repeats,
-                 peers=peer_names, json_out=a.json_out, plots_dir=a.plots_dir)
+                 peers=peer_names, json_out=a.json_out, plots_dir=a.plots_dir, peer_threads=a.peer_threads)
     return 0
 
 
@@ -364,7 +366,9 @@ def build_parser() -> ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--peers", default="", help="comma-separated: hf (transformers, needs torch), llamacpp (skipped "
-                   "if llama_cpp is not installed)")
+                   "if llama_cpp is not installed: pip install 'specjax[peers]'); each runs in its own process")
+    b.add_argument("--peer-threads", type=int, default=None, help="CPU threads of each peer (default: all cores; "
+                   "on a busy machine fewer threads than cores can be much faster)")
     b.add_argument("--prompt-len", type=int, default=128, help="plain: prompt length in tokens")
     b.add_argument("--forward-t", default="1,2,4,8,16", help="plain: token counts T for the forward-cost table")
     b.add_argument("--json-out", default=None, help="write every figure to this JSON file (and plots next to it)")
