@@ -449,6 +449,7 @@ def build_parser() -> ArgumentParser:
     t.add_argument("--stop-after", type=int, default=None, help="stop after this many training steps (resume "
                    "later by rerunning the same command)")
     t.set_defaults(fn=cmd_train)
+    p.command_names = list(sub.choices)
     return p
 
 
@@ -468,9 +469,9 @@ def main(argv: list[str] | None = None) -> int:
             extra = [x for x in extra if x.startswith("-")]
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        if not getattr(a, "fn", None):
+        if not getattr(a, "fn", None):  # the help on stdout, the error as every other one
             parser.print_help()
-            return EXIT_BAD_INPUT
+            raise SpecjaxError("give a command: " + ", ".join(parser.command_names))
         return a.fn(a)
     except SpecjaxError as e:
         print(f"specjax: error: {e}", file=sys.stderr)

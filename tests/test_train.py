@@ -239,3 +239,12 @@ def test_cli_bad_recipe_values_fail_before_the_target_loads(tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and match in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_override_that_is_not_yaml_is_a_recipe_error(tmp_path):
+    """Found by tests/test_fuzz.py: a control character in an override value was exit 1."""
+    p = tmp_path / "r.yaml"
+    p.write_text("drafter: eagle3\nout_dir: x\ndata: {}\nmodel: {}\noptim: {}\n")
+    for bad in ("optim.steps=\x1f", "optim.lr=[1", "data.source={a"):
+        with pytest.raises(RecipeError, match="not a YAML value"):
+            load_recipe(str(p), [bad])

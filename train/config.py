@@ -138,7 +138,11 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise RecipeError(f"override {item!r} is not key=value")
-        _set_dotted(raw, key.strip(), yaml.safe_load(value))
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise RecipeError(f"override {item!r}: not a YAML value ({str(e).splitlines()[0]})") from None
+        _set_dotted(raw, key.strip(), parsed)
     for key in REQUIRED_TOP:
         if key not in raw:
             raise RecipeError(f"the recipe is missing the key {key!r}")
