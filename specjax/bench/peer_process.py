@@ -140,8 +140,7 @@ def run_peers(names: list[str], job: dict, console, progress=None) -> tuple[list
     rows, status = [], {}
     for name in names:
         if progress is not None:
-            progress.begin(name, 0)
-            progress.stage("starting its process and loading", 0)
+            progress.begin(name, 0, "starting its own process, loading")
         got, st = run_peer_subprocess(name, job, console, progress)
         rows += got
         status[name] = st

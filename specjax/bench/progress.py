@@ -62,16 +62,17 @@ class BenchProgress:
         self.console.log(text)
 
     # -- events -----------------------------------------------------------------------------
-    def begin(self, name: str, total: int) -> None:
-        """A new implementation's run: `total` prompt runs in all."""
+    def begin(self, name: str, total: int, desc: str = "") -> None:
+        """A new implementation's run: `total` prompt runs in all (0: not known yet); `desc`
+        says what it does until its first stage."""
         self.name, self.total, self.done, self.t0 = name, max(int(total), 0), 0, self.clock()
-        self.desc, self.n, self.i, self._group = "", 0, 0, None
+        self.desc, self.n, self.i, self._group = desc, 0, 0, None
         if self._progress is not None:
             for task in (self._overall, self._current):
                 if task is not None:
                     self._progress.remove_task(task)
             self._overall = self._progress.add_task(f"{name}: all configurations", total=self.total or None)
-            self._current = self._progress.add_task(f"{name}: starting", total=None)
+            self._current = self._progress.add_task(f"{name}: {desc or 'starting'}", total=None)
         else:
             self._line(force=True)
 

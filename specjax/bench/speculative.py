@@ -336,11 +336,11 @@ def encode_suites(model, suites: dict[str, list]) -> dict[str, list[list[int]]]:
 def bench_suites(model, suites: dict[str, list], drafters: list[str], num_drafts: list[int], batch_sizes: list[int],
                  temperatures: list[float], max_new_tokens: int, repeats: int, peers: list[str] = (),
                  json_out: str | None = None, plots_dir: str | None = None, console=None, out=None,
-                 peer_factory: str | None = None) -> dict:
+                 peer_factory: str | None = None, peer_threads: int | None = None) -> dict:
     """The whole `specjax bench SUITE...` run: measure, compare, recommend, print, write.
     Progress goes to stderr (`progress.py`), the report to stdout. Each peer runs in its own
     process (`peer_process.py`; `peer_factory` "module:function" replaces how peers are made,
-    for tests)."""
+    for tests; `peer_threads`: each peer's CPU threads, default all cores)."""
     from rich.console import Console
 
     from specjax.bench import peer_process
@@ -355,7 +355,7 @@ def bench_suites(model, suites: dict[str, list], drafters: list[str], num_drafts
         console.log(f"peer {name}: skipped ({why})")
     t_start = time.time()
     job = {"model_source": model.source, "eos_ids": [int(e) for e in model.config.eos_token_ids],
-           "threads": None, "drafters": list(drafters), "num_drafts": list(num_drafts), "suite_ids": suite_ids,
+           "threads": peer_threads, "drafters": list(drafters), "num_drafts": list(num_drafts), "suite_ids": suite_ids,
            "temperatures": list(temperatures), "max_new_tokens": max_new_tokens, "repeats": repeats}
     if peer_factory:
         job["factory"] = peer_factory
