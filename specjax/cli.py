@@ -459,6 +459,13 @@ def cmd_train(a) -> int:
     return train_main(a)
 
 
+def one_line(message: str) -> str:
+    """`message` with every character that is not printable (newlines and other line breaks a
+    user's argument or file can carry, control characters, lone surrogates) escaped, so that an
+    error stays one line on stderr."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     parser = build_parser()
@@ -474,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecjaxError("give a command: " + ", ".join(parser.command_names))
         return a.fn(a)
     except SpecjaxError as e:
-        print(f"specjax: error: {e}", file=sys.stderr)
+        print(f"specjax: error: {one_line(str(e))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("specjax: interrupted", file=sys.stderr)
@@ -482,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # internal failure: one line unless debugging
         if os.environ.get("SPECJAX_DEBUG"):
             raise
-        print(f"specjax: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"specjax: internal error: {type(e).__name__}: {one_line(str(e))}", file=sys.stderr)
         return EXIT_INTERNAL
 
 

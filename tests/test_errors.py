@@ -347,3 +347,10 @@ def test_control_token_strings_in_messages_are_text(tiny_model, content):
     sys_ids = encode_prompt(tiny_model, sys_msgs)
     assert sum(t in control for t in sys_ids) == sum(t in control for t in reference_chat_ids(tok, [
         {"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]))
+
+
+def test_cli_error_echoing_line_breaks_stays_one_line(capsys):
+    """Found by tests/test_fuzz.py: an argument with a line break (\\n, \\x1e, \\u2028) echoed in
+    an error made it two lines."""
+    rc, out, err = run_main(capsys, "generate", "--bogus=a\nb\x1ec\u2028d\udcff")
+    assert_one_line_error(rc, out, err, "unrecognized arguments: --bogus=a\\nb\\x1ec\\u2028d\\udcff")
