@@ -269,7 +269,8 @@ def test_cli_argparse_errors_name_specjax_once(capsys):
 
 def test_cli_missing_drafter_says_drafter(capsys, tiny_tok_dir, tmp_path):
     missing = str(tmp_path / "nonexistent")
-    rc, out, err = run_main(capsys, "generate", "--model", tiny_tok_dir, "--drafter", f"draft:{missing}", "Hi")
+    rc, out, err = run_main(capsys, "generate", "--model", tiny_tok_dir, "--drafter", f"draft:{missing}",
+                            "--max-new-tokens", "4", "Hi")
     assert_one_line_error(rc, out, err, "drafter not found")
     assert f"--drafter draft:{missing}" in err and "model not found" not in err
 
