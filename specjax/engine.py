@@ -245,6 +245,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     live = ~st.done
     last = jnp.take_along_axis(st.history, (st.hist_len - 1)[:, None], axis=1)  # [B, 1]
     pol = st.policy if k > 0 else None
+    plain_pass = None  # [] bool when this step may have run the plain one-token pass
     on = live if pol is None else policy_plan(pol, live)  # [B] rows the policy lets verify
     if pol is not None:
         force_verify = force_verify | (pol.mode == FORCE)
@@ -271,6 +272,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
             own = jnp.where(active & (want > 0), table[1 + jnp.searchsorted(jnp.asarray(lengths), want)], 0)  # [B]
             own = jnp.where(force_verify & live, k, own)  # timing: every live row checks all K
             branch = jnp.searchsorted(table, jnp.max(own))  # own values are table entries
+            plain_pass = branch == 0
             keep = jnp.arange(k)[None] < own[:, None]  # [B, K]
             masked = jnp.where(keep, draft, -1)
             q = None if q is None else jnp.where(keep[:, :, None], q, 0.0)
@@ -298,7 +300,15 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     done = st.done | stopped | (hist_len - prompt_len >= max_new)
     cache = cache.advance(jnp.where(live, n + 1, 0))
 
-    dstate = drafter.commit(dparams, dstate, CommitContext(n, emitted, history, hist_len, live, hidden, final))
+    commit_ctx = CommitContext(n, emitted, history, hist_len, live, hidden, final)
+    if k > 0 and drafter.narrow_commit and plain_pass is not None:
+        # A plain step emits one token a row: commit over that position alone, not K + 1.
+        narrow = CommitContext(n, emitted[:, :1], history, hist_len, live,
+                               None if hidden is None else hidden[:, :, :1], None if final is None else final[:, :1])
+        dstate = jax.lax.cond(plain_pass, lambda: drafter.commit(dparams, dstate, narrow),
+                              lambda: drafter.commit(dparams, dstate, commit_ctx))
+    else:
+        dstate = drafter.commit(dparams, dstate, commit_ctx)
     pos = jnp.arange(w)[None]
     # Drafts cut off by a stop token or max_new were never used: they count as neither.
     checked = (pos <= n[:, None]) & (pos < own[:, None]) & (pos < n_emit[:, None])  # [B, W]; n_emit = 0 if not live

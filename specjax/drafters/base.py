@@ -89,6 +89,10 @@ class Drafter:
     name: str = "drafter"
     hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states the drafter reads
     needs_final_hidden: bool = False  # whether it reads the target's final hidden state
+    # Whether `commit` gives the same state from a context cut to the emitted width (tokens
+    # [B, 1] and hidden states of one position) after a plain step: the engine then skips its
+    # work on the K positions a plain step did not emit.
+    narrow_commit: bool = False
 
     def __init__(self, num_draft: int):
         self.num_draft = int(num_draft)
