@@ -83,6 +83,28 @@ def exact_law(model, prompt, sp: SamplingParams, n_tokens: int):
     return law
 
 
+def law_pvalues(rows, law: dict) -> list[float]:
+    """G-test p-values of the rows' first tokens against the exact `law` of paths of n >= 3
+    tokens: the joint law of the first two (it crosses a verify step boundary when drafts are
+    rejected), then the marginal of each later token."""
+    n = len(next(iter(law)))
+    law2: dict = {}
+    marginals = np.zeros((n, V))
+    for path, pr in law.items():
+        law2[path[:2]] = law2.get(path[:2], 0.0) + pr
+        for i in range(2, n):
+            marginals[i, path[i]] += pr
+    cells = sorted(law2)
+    index = {c: i for i, c in enumerate(cells)}
+    counts = np.zeros(len(cells))
+    for r in rows:
+        counts[index[tuple(r.token_ids[:2])]] += 1
+    out = [g_test_pvalue(counts, np.array([law2[c] for c in cells]))]
+    for i in range(2, n):
+        out.append(g_test_pvalue(np.bincount([r.token_ids[i] for r in rows], minlength=V), marginals[i]))
+    return out
+
+
 @pytest.mark.parametrize("which", WHICH)
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_sampled_speculative_output_has_target_law(models, which, setting):
@@ -105,23 +127,8 @@ def test_sampled_speculative_output_has_target_law(models, which, setting):
     seeded = [dataclasses.replace(sp, seed=sp.seed * N_ROWS + i) for i in range(N_ROWS)]  # independent rows: one stream each
     rows = Engine(target).generate([PROMPT] * N_ROWS, seeded, drafter=drafter)
     assert all(len(r.token_ids) == 3 for r in rows)
-    law3 = exact_law(target, PROMPT, sp, 3)
-    # joint law of the first two tokens (crosses a verify step boundary when drafts are rejected)
-    law2: dict = {}
-    for path, pr in law3.items():
-        law2[path[:2]] = law2.get(path[:2], 0.0) + pr
-    cells = sorted(law2)
-    index = {c: i for i, c in enumerate(cells)}
-    counts = np.zeros(len(cells))
-    for r in rows:
-        counts[index[tuple(r.token_ids[:2])]] += 1
-    p_joint = g_test_pvalue(counts, np.array([law2[c] for c in cells]))
-    # marginal of the third token
-    third = np.zeros(V)
-    for path, pr in law3.items():
-        third[path[2]] += pr
-    p_third = g_test_pvalue(np.bincount([r.token_ids[2] for r in rows], minlength=V), third)
-    assert min(p_joint, p_third) > ALPHA, (p_joint, p_third)
+    pvalues = law_pvalues(rows, exact_law(target, PROMPT, sp, 3))
+    assert min(pvalues) > ALPHA, pvalues
     if which == "ngram_prefix":  # verified, never past the 3 drafts the rows wanted
         assert sum(r.checked[0] for r in rows) > 0 and all(r.checked[3:] == [0, 0] for r in rows)
     if not which.startswith("ngram"):  # drafts with soft q were actually accepted and rejected
@@ -186,19 +193,5 @@ def test_sampled_law_holds_across_rows_switching_speculation_off_and_on(models):
     switched = sum(1 for r in rows if r.checked[0] >= 2 and r.steps > r.checked[0])  # verify, plain, verify
     stayed_on = sum(1 for r in rows if r.checked[0] == r.steps >= 2)  # accepted enough to keep verifying
     assert switched > N_ROWS // 20 and stayed_on > N_ROWS // 20, (switched, stayed_on)
-    law4 = exact_law(target, PROMPT, sp, 4)
-    law2: dict = {}
-    third, fourth = np.zeros(V), np.zeros(V)
-    for path, pr in law4.items():
-        law2[path[:2]] = law2.get(path[:2], 0.0) + pr
-        third[path[2]] += pr
-        fourth[path[3]] += pr
-    cells = sorted(law2)
-    index = {c: i for i, c in enumerate(cells)}
-    counts = np.zeros(len(cells))
-    for r in rows:
-        counts[index[tuple(r.token_ids[:2])]] += 1
-    p_joint = g_test_pvalue(counts, np.array([law2[c] for c in cells]))
-    p_third = g_test_pvalue(np.bincount([r.token_ids[2] for r in rows], minlength=V), third)
-    p_fourth = g_test_pvalue(np.bincount([r.token_ids[3] for r in rows], minlength=V), fourth)
-    assert min(p_joint, p_third, p_fourth) > 1e-3 / 3, (p_joint, p_third, p_fourth)
+    pvalues = law_pvalues(rows, exact_law(target, PROMPT, sp, 4))
+    assert min(pvalues) > 1e-3 / len(pvalues), pvalues
