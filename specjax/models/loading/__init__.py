@@ -15,7 +15,6 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 from typing import Any
 
 import jax
@@ -23,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.errors import ModelLoadError
+from specjax.errors import ModelLoadError, SpecjaxError
+from specjax.files import check_can_create_dir
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import Llama
 from specjax.models.loading import gguf as gguf_loader
@@ -168,12 +168,11 @@ def _warn(msg: str) -> None:
 
 
 def _writable_dir(path: str) -> bool:
-    """Whether `path` exists or can be created, and a file can be written in it."""
+    """Whether `path` is a writable folder or can be created as one (creates nothing)."""
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path):
-            return True
-    except OSError:
+        check_can_create_dir(path, "SPECJAX_CACHE")
+        return True
+    except SpecjaxError:
         return False
 
 
