@@ -301,7 +301,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     cache = cache.advance(jnp.where(live, n + 1, 0))
 
     commit_ctx = CommitContext(n, emitted, history, hist_len, live, hidden, final)
-    if k > 0 and drafter.narrow_commit and plain_pass is not None:
+    if drafter.narrow_commit and plain_pass is not None:
         # A plain step emits one token a row: commit over that position alone, not K + 1.
         narrow = CommitContext(n, emitted[:, :1], history, hist_len, live,
                                None if hidden is None else hidden[:, :, :1], None if final is None else final[:, :1])

@@ -24,3 +24,12 @@ class InvalidSamplingError(SpecjaxError, ValueError):
 
 class DrafterError(SpecjaxError):
     """A drafter is unknown, missing, or does not fit the target."""
+
+
+def short_repr(v, limit: int = 80) -> str:
+    """A short repr of a user's value for an error line (any depth, any size)."""
+    try:
+        text = repr(v) if not isinstance(v, (list, dict)) or len(v) < 64 else f"<a {type(v).__name__}>"
+    except (RecursionError, ValueError):
+        text = f"<a {type(v).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

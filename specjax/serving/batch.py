@@ -52,7 +52,7 @@ import sys
 import time
 from typing import Any
 
-from specjax.errors import SpecjaxError
+from specjax.errors import SpecjaxError, short_repr
 from specjax.serving import scaleout
 from specjax.serving.batch_files import (ResultsFile, check_job_settings, check_merge_paths, check_paths, json_line,
                                          results_path, throttle_path)
@@ -157,7 +157,7 @@ def parse_row(line: int, raw: bytes, defaults, ignored: dict[str, int] | None = 
             ignored[f] = ignored.get(f, 0) + 1
     rid = obj.get("id")
     if not _valid_id(rid):
-        what = f"invalid id {short(rid)}" if "id" in obj else "missing id"
+        what = f"invalid id {short_repr(rid)}" if "id" in obj else "missing id"
         return BadRow(line, None, f"{what}: a row needs an 'id' (a non-empty string or an integer)")
     if "max_tokens" in obj:  # OpenAI's name for it
         if "max_new_tokens" in obj and obj["max_new_tokens"] != obj["max_tokens"]:
@@ -184,7 +184,7 @@ def parse_row(line: int, raw: bytes, defaults, ignored: dict[str, int] | None = 
         if f in obj:
             v = obj[f]
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                return BadRow(line, rid, f"{f} must be a number, got {short(v)}")
+                return BadRow(line, rid, f"{f} must be a number, got {short_repr(v)}")
             kw[f] = v
     if "seed" not in kw:  # the job's seed (0 when unset) and the line: a rerun draws the same
         kw["seed"] = line_seed(defaults.seed or 0, line)
@@ -194,15 +194,6 @@ def parse_row(line: int, raw: bytes, defaults, ignored: dict[str, int] | None = 
         return BadRow(line, rid, str(e))
     assert isinstance(sampling, SamplingParams)
     return JobRow(line, rid, prompt, sampling)
-
-
-def short(v, limit: int = 80) -> str:
-    """A short repr of a row's value for its error line (any depth, any size)."""
-    try:
-        text = repr(v) if not isinstance(v, (list, dict)) or len(v) < 64 else f"<a {type(v).__name__}>"
-    except (RecursionError, ValueError):
-        text = f"<a {type(v).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def line_seed(job_seed: int, line: int) -> int:

@@ -45,7 +45,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from specjax.errors import SpecjaxError
+from specjax.errors import SpecjaxError, short_repr
 from specjax.sampling import SamplingParams
 from specjax.serving.config import LATENCY_CLASSES
 from specjax.serving.metrics import CONTENT_TYPE
@@ -72,23 +72,14 @@ class ApiError(Exception):
 # ---- request parsing ---------------------------------------------------------------------------
 
 
-def _show(v, limit: int = 80) -> str:
-    """A short repr of a client's value for an error message (any depth, any size)."""
-    try:
-        text = repr(v) if not isinstance(v, (list, dict)) or len(v) < 64 else f"<a {type(v).__name__}>"
-    except (RecursionError, ValueError):
-        text = f"<a {type(v).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _number(body: dict, name: str, default, lo=None, hi=None, integer=False, lo_open=False):
     v = body.get(name)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not float(v).is_integer()):
-        raise ApiError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {_show(v)}", name)
+        raise ApiError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {short_repr(v)}", name)
     if v != v or v in (float("inf"), float("-inf")):
-        raise ApiError(f"'{name}' must be finite, got {_show(v)}", name)
+        raise ApiError(f"'{name}' must be finite, got {short_repr(v)}", name)
     if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
         rng = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
         raise ApiError(f"'{name}' must be in {rng}, got {v!r}", name)
@@ -251,7 +242,7 @@ class Api:
         if not isinstance(model, str) or not model:
             raise ApiError("'model' is required (see GET /v1/models)", "model")
         if model != self.name:
-            raise ApiError(f"model {_show(model)} is not served here; available: {self.name!r}", "model",
+            raise ApiError(f"model {short_repr(model)} is not served here; available: {self.name!r}", "model",
                            "model_not_found")
         return body
 
@@ -259,7 +250,7 @@ class Api:
         cls = body.get("latency_class")
         if cls is not None:
             if cls not in LATENCY_CLASSES:
-                raise ApiError(f"'latency_class' must be one of {', '.join(LATENCY_CLASSES)}, got {_show(cls)}",
+                raise ApiError(f"'latency_class' must be one of {', '.join(LATENCY_CLASSES)}, got {short_repr(cls)}",
                                "latency_class")
             return cls
         auth = request.headers.get("authorization", "")
