@@ -153,6 +153,9 @@ def cmd_bench(a) -> int:
 
     drafters = [d.strip() for d in a.drafters.split(",") if d.strip()]
     check_drafter_names(drafters)
+    policies = list(dict.fromkeys(p.strip() for p in a.spec_policy.split(",") if p.strip()))
+    if not policies or any(p not in ("always", "auto") for p in policies):
+        raise SpecjaxError(f"--spec-policy takes a comma-separated subset of always, auto, got {a.spec_policy!r}")
     peer_names = [p.strip() for p in (a.peers or "").split(",") if p.strip()]
     peers.check_peers(peer_names)
     if a.peer_threads is not None and a.peer_threads < 1:
@@ -183,7 +186,8 @@ def cmd_bench(a) -> int:
 
     model = specjax.load_model(a.model, dtype=a.dtype)
     bench_suites(model, prompts, drafters, num_drafts, batch_sizes, temps, a.max_new_tokens, a.repeats,
-                 peers=peer_names, json_out=a.json_out, plots_dir=a.plots_dir, peer_threads=a.peer_threads)
+                 peers=peer_names, json_out=a.json_out, plots_dir=a.plots_dir, peer_threads=a.peer_threads,
+                 spec_policies=policies)
     return 0
 
 
@@ -361,6 +365,9 @@ def build_parser() -> ArgumentParser:
                    help="comma-separated drafter specs: none, ngram, draft:PATH, mtp[:PATH], eagle3[:PATH][@GATE], ... "
                    "(plain decoding is always run)")
     b.add_argument("--num-draft", default="3,5", help="comma-separated K values")
+    b.add_argument("--spec-policy", default="always", help="comma-separated subset of always, auto: each drafter "
+                   "configuration is measured under each; always (default): verify every proposal; auto: the "
+                   "per-row fallback of `specjax generate` (rows take plain steps while verifying does not pay)")
     b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes")
     b.add_argument("--temperature", default="0", help="comma-separated temperatures")
     b.add_argument("--max-new-tokens", type=int, default=128)

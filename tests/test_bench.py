@@ -144,6 +144,33 @@ def test_tiny_bench_hf_peer_and_skipped_llamacpp(tiny_bench):
     assert tiny_bench["peers_status"]["llamacpp"]["status"] == "skipped"
 
 
+def test_bench_measures_each_spec_policy(tiny_tok_dir, tmp_path, capsys):
+    """`--spec-policy always,auto`: the ngram configuration is measured under both (the auto row
+    through the per-row fallback and its cost table), each row saying which and how often it
+    verified; the printed table tells them apart."""
+    from specjax.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Say hello twice: hello hello"}\n{"prompt": "Count: 1 2 3 4"}\n')
+    out = tmp_path / "run.json"
+    assert main(["bench", "--prompts", str(prompts), "--model", tiny_tok_dir, "--drafters", "ngram",
+                 "--num-draft", "2", "--max-new-tokens", "6", "--repeats", "1", "--spec-policy", "always,auto",
+                 "--json-out", str(out), "--plots-dir", str(tmp_path)]) == 0
+    rep = json.loads(out.read_text())
+    doc = documented_names(report.__doc__)
+    assert rep["spec_policies"] == ["always", "auto"] and set(rep) <= doc
+    by = {(r["drafter"], r["spec_policy"]): r for r in rep["results"]}
+    assert set(by) == {("none", "none"), ("ngram", "always"), ("ngram", "auto")}
+    assert by[("none", "none")]["verified_share"] is None
+    for policy in ("always", "auto"):
+        r = by[("ngram", policy)]
+        assert set(r) <= doc, set(r) - doc
+        assert r["num_draft"] == 2 and r["tokens_per_second"] > 0 and r["speedup"] > 0
+        assert 0.0 <= r["verified_share"] <= 1.0
+    printed = capsys.readouterr().out
+    assert "ngram K=2 auto" in printed and "ngram K=2 " in printed.replace("ngram K=2 auto", "")
+
+
 def test_missing_llamacpp_is_a_skip_line_not_an_error(monkeypatch):
     import types
 
@@ -186,6 +213,7 @@ def test_gated_eagle3_spec_passes_the_name_check():
     (["humaneval", "--drafters", "ngram,nosuchdrafter"], "unknown drafter 'nosuchdrafter' (known: none, ngram"),
     (["humaneval", "--peers", "hf,vllm"], "unknown peer 'vllm'"),
     (["humaneval", "--limit", "0"], "--limit must be >= 1"),
+    (["humaneval", "--spec-policy", "sometimes"], "--spec-policy takes a comma-separated subset of always, auto"),
     (["plain", "--json-out", "/"], "is a directory"),  # refused before measuring, not after
 ])
 def test_bad_bench_input_is_one_line_exit_2(args, message):

@@ -7,20 +7,26 @@ JSON written by `--json-out` (one object):
 
 * `kind`: "speculative"; `model`, `model_source` (path it was loaded from), `dtype`, `backend`
   (jax backend), `device` (jax device kind); `max_new_tokens`, `repeats`, `temperatures`,
-  `batch_sizes`, `num_drafts`, `drafters` (specs as given); `suites` {name: prompts used};
+  `batch_sizes`, `num_drafts`, `drafters` (specs as given); `spec_policies` (the
+  `--spec-policy` values measured: "always", "auto"); `suites` {name: prompts used};
   `compile_seconds` (total XLA compile time of the run); `time` (local ISO time of the run).
 * `results`: one row per (suite, temperature, batch size, configuration); plain decoding is the
   configuration with `drafter` "none" and `num_draft` 0. Fields:
   `suite`, `temperature`, `batch_size`, `drafter` (spec as given, e.g. "draft:/path"), `label`
-  (short name for tables and plots), `num_draft` (K); `prompts` (rows generated per repeat: the
-  suite's prompts, cycled to fill the last batch); `tokens` (generated tokens per repeat, median);
+  (short name for tables and plots), `num_draft` (K); `spec_policy` ("none" for plain decoding;
+  "always": every step verifies what the drafter proposes; "auto": the per-row fallback of
+  `specjax generate`, rows taking plain steps while verifying does not pay); `verified_share`
+  (steps in which a row verified drafts ÷ all its steps, over all rows and repeats; null for
+  plain); `prompts` (rows generated per repeat: the suite's prompts, cycled to fill the last
+  batch); `tokens` (generated tokens per repeat, median);
   `tokens_per_second` (median over repeats of tokens / (prefill + decode seconds), compile
   excluded); `tokens_per_second_repeats` (each repeat's figure); `speedup` (`tokens_per_second`
   ÷ plain's at the same suite, batch size and sampling settings); `mean_accepted_length` (MAL:
   tokens emitted per draft-verify step, bonus included, over all repeats; 1.0 for plain);
   `acceptance_rate` (accepted ÷ checked draft positions; null for plain);
   `per_position_acceptance` (K entries: P(draft i accepted | drafts < i accepted));
-  `warmup_seconds` (the first, untimed pass over one batch, compile included);
+  `warmup_seconds` (the first, untimed pass over one batch, compile included; for "auto" also
+  the step-cost measurement, when not already cached);
   `compile_seconds` (the XLA compile time inside that warm-up); `peak_memory_mb` and
   `peak_memory_source` (see `common.PeakMemory`: "rss_peak" is this configuration's own peak
   resident memory, "device_peak_lifetime" the device's high-water mark so far);
@@ -47,10 +53,10 @@ JSON written by `--json-out` (one object):
   ({`label`, `num_draft`, `tokens_per_second`}, plain included) and `ratio` = specjax best tok/s ÷
   peer best tok/s.
 * `recommendations`: per (suite, temperature): `by_batch` [{`batch_size`, `drafter`, `label`,
-  `num_draft`, `speedup`}] (the fastest configuration; drafter "none" when plain decoding is
-  fastest), `plain_wins_at` (batch sizes at which no drafter beats plain), `plain_wins_from`
-  (smallest batch size from which plain wins at every larger measured one; null when a drafter
-  wins at the largest) and `text` (the line printed).
+  `num_draft`, `spec_policy`, `speedup`}] (the fastest configuration, either policy; drafter
+  "none" when plain decoding is fastest), `plain_wins_at` (batch sizes at which no drafter beats
+  plain), `plain_wins_from` (smallest batch size from which plain wins at every larger measured
+  one; null when a drafter wins at the largest) and `text` (the line printed).
 * `plots`: paths of the PNG files written (see `plots.py`).
 """
 
@@ -72,7 +78,11 @@ def short_label(spec: str) -> str:
 
 
 def config_name(row: dict) -> str:
-    return "plain" if row["drafter"] == PLAIN else f"{row['label']} K={row['num_draft']}"
+    """`plain`, `LABEL K=k`, or `LABEL K=k auto` for the per-row fallback ("always" rows, and
+    rows without `spec_policy`, carry no suffix)."""
+    if row["drafter"] == PLAIN:
+        return "plain"
+    return f"{row['label']} K={row['num_draft']}" + (" auto" if row.get("spec_policy") == "auto" else "")
 
 
 def _group_key(row: dict) -> tuple:
@@ -105,10 +115,11 @@ def recommend(rows: list[dict]) -> list[dict]:
             best = max(spec, key=lambda r: r["speedup"], default=None)
             if best is None or best["speedup"] <= 1.0:
                 entries.append({"batch_size": b, "drafter": PLAIN, "label": "plain", "num_draft": 0,
-                                "speedup": 1.0})
+                                "spec_policy": "none", "speedup": 1.0})
             else:
                 entries.append({"batch_size": b, "drafter": best["drafter"], "label": best["label"],
-                                "num_draft": best["num_draft"], "speedup": best["speedup"]})
+                                "num_draft": best["num_draft"], "spec_policy": best.get("spec_policy", "always"),
+                                "speedup": best["speedup"]})
         plain_at = [e["batch_size"] for e in entries if e["drafter"] == PLAIN]
         plain_from = None
         for e in reversed(entries):  # the longest run of plain wins that reaches the largest B
@@ -116,8 +127,7 @@ def recommend(rows: list[dict]) -> list[dict]:
                 break
             plain_from = e["batch_size"]
         parts = [
-            f"B={e['batch_size']}: " + ("plain" if e["drafter"] == PLAIN else
-                                        f"{e['label']} K={e['num_draft']} ({e['speedup']:.2f}x)")
+            f"B={e['batch_size']}: " + ("plain" if e["drafter"] == PLAIN else f"{config_name(e)} ({e['speedup']:.2f}x)")
             for e in entries
         ]
         tail = _verdict([e["batch_size"] for e in entries], plain_at, plain_from)
@@ -193,8 +203,8 @@ def print_report(report: dict, console=None) -> None:
 
     console = console or wide_console()
     table = Table(title=f"speculative decoding — {report['model']} ({report['dtype']}, {report['backend']})")
-    for col in ("suite", "T", "B", "config", "tok/s", "speedup", "MAL", "accept", "draft/verify/accept",
-                "warm-up s", "peak MB"):
+    for col in ("suite", "T", "B", "config", "tok/s", "speedup", "MAL", "accept", "verified",
+                "draft/verify/accept", "warm-up s", "peak MB"):
         table.add_column(col, justify="right")
     for r in report["results"]:
         ts = r.get("time_share") or {}
@@ -202,7 +212,8 @@ def print_report(report: dict, console=None) -> None:
         table.add_row(
             r["suite"], f"{r['temperature']:g}", str(r["batch_size"]), config_name(r),
             f"{r['tokens_per_second']:.1f}", _speedup(r),
-            f"{r['mean_accepted_length']:.2f}", _fmt(r.get("acceptance_rate"), ".2f"), share,
+            f"{r['mean_accepted_length']:.2f}", _fmt(r.get("acceptance_rate"), ".2f"),
+            _fmt(r.get("verified_share"), ".0%"), share,
             _fmt(r.get("warmup_seconds"), ".1f"), _fmt(r.get("peak_memory_mb"), ".0f"),
         )
     console.print(table)

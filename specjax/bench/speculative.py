@@ -8,6 +8,12 @@ configuration tokens/s ÷ plain tokens/s at the same suite, batch size and sampl
 (`report.add_speedups`). A batch size larger than a suite cycles its prompts, so every timed
 batch really holds B rows.
 
+Speculation policy (`--spec-policy`): every drafter configuration is measured once per listed
+policy. "always" verifies whatever the drafter proposes; "auto" runs the compiled loop's per-row
+fallback (specjax/policy/rows.py) with the step-cost table `specjax.generate` uses
+(`policy.costs.measure_costs`, cached per model, drafter and batch bucket), measured once per
+(configuration, batch size) at the start of its first warm-up, so never inside a timed repeat.
+
 Time shares of draft / verify / accept come from timing each component as its own compiled
 function at the loop's shapes (inside the fused loop they cannot be separated).
 
@@ -33,22 +39,26 @@ from specjax.bench.common import PeakMemory, compiled_memory_mb, timed
 from specjax.drafters.base import InitContext, StepContext
 from specjax.engine import Engine, _prefill
 from specjax.errors import DrafterError
-from specjax.generate import encode_prompt, get_drafter, per_position
+from specjax.generate import drafter_label, encode_prompt, get_drafter, per_position
+from specjax.policy.costs import measure_costs
+from specjax.policy.rows import AUTO
 from specjax.sampling import SamplingArrays, SamplingParams
 from specjax.verify import accept
 
 
 @dataclasses.dataclass
 class Config:
-    """One measured configuration: a drafter spec as given on the command line and its K."""
+    """One measured configuration: a drafter spec as given on the command line, its K and its
+    speculation policy ("none" for plain decoding, else "always" or "auto")."""
 
     spec: str  # "none" | "ngram" | "draft:PATH" | "mtp" | ...
     num_draft: int
     drafter: object  # specjax.drafters.Drafter
+    spec_policy: str = "always"
 
     @property
-    def key(self) -> tuple[str, int]:
-        return (self.spec, self.num_draft)
+    def key(self) -> tuple[str, int, str]:
+        return (self.spec, self.num_draft, self.spec_policy)
 
 
 def known_drafter_kinds() -> tuple[str, ...] | None:
@@ -77,16 +87,18 @@ def check_drafter_names(specs: list[str]) -> None:
             raise DrafterError(f"unknown drafter {s!r} (known: {', '.join(KNOWN)})")
 
 
-def resolve_configs(specs: list[str], num_drafts: list[int], model) -> list[Config]:
-    """Plain decoding first, then every drafter x K, each built through `make_drafter` (via the
-    API's drafter cache, so a draft model loads once for all K). Raises DrafterError for unknown
-    names or missing checkpoints, before anything runs. A drafter that fixes its own K is listed
-    once, under the K it reports; K values a drafter cannot draft (more than an MTP drafter's
-    module count) are skipped for it, and only a drafter with no usable K is an error."""
+def resolve_configs(specs: list[str], num_drafts: list[int], model,
+                    spec_policies: tuple[str, ...] = ("always",)) -> list[Config]:
+    """Plain decoding first, then every drafter x K x policy of `spec_policies` ("always",
+    "auto"), each drafter built through `make_drafter` (via the API's drafter cache, so a draft
+    model loads once for all K). Raises DrafterError for unknown names or missing checkpoints,
+    before anything runs. A drafter that fixes its own K is listed once, under the K it reports;
+    K values a drafter cannot draft (more than an MTP drafter's module count) are skipped for it,
+    and only a drafter with no usable K is an error."""
     if any(k < 1 for k in num_drafts):
         raise DrafterError(f"--num-draft values must be >= 1, got {num_drafts}")
-    configs = [Config("none", 0, get_drafter("none", 0, model))]
-    seen = {("none", 0)}
+    configs = [Config("none", 0, get_drafter("none", 0, model), "none")]
+    seen = {configs[0].key}
     for spec in specs:
         spec = spec.strip()
         if spec == "none":
@@ -99,10 +111,11 @@ def resolve_configs(specs: list[str], num_drafts: list[int], model) -> list[Conf
                 errors.append(e)
                 continue
             built += 1
-            c = Config(spec, d.num_draft, d)
-            if c.key not in seen:
-                seen.add(c.key)
-                configs.append(c)
+            for policy in spec_policies:
+                c = Config(spec, d.num_draft, d, policy)
+                if c.key not in seen:
+                    seen.add(c.key)
+                    configs.append(c)
         if not built:
             raise errors[0]
     return configs
@@ -125,17 +138,27 @@ class RunFigures:
     accepted: np.ndarray  # [K]
 
 
-def run_config(engine: Engine, batches, sampling: SamplingParams, drafter, on_batch=None) -> RunFigures:
-    """One pass over `batches`; `on_batch(rows)` (progress) is called after each batch."""
+def row_params(sampling: SamplingParams, first_row: int, n: int) -> list[SamplingParams]:
+    """Sampling params of n batch rows with seeds of their own (`first_row` + their index), so a
+    prompt cycled into a batch twice differs."""
+    return [dataclasses.replace(sampling, seed=(sampling.seed or 0) + first_row + j) for j in range(n)]
+
+
+def run_config(engine: Engine, batches, sampling: SamplingParams, drafter, on_batch=None,
+               costs: np.ndarray | None = None) -> RunFigures:
+    """One pass over `batches`; `on_batch(rows)` (progress) is called after each batch. `costs`
+    (a `measure_costs` table) runs the per-row fallback (spec_mode AUTO); None verifies whatever
+    the drafter proposes."""
     tokens = steps = rows = 0
     seconds = 0.0
     k = drafter.num_draft
     checked, accepted = np.zeros(k), np.zeros(k)
     row = 0
-    for batch in batches:  # rows get seeds of their own: a prompt cycled into a batch twice differs
-        params = [dataclasses.replace(sampling, seed=(sampling.seed or 0) + row + j) for j in range(len(batch))]
+    policy = {} if costs is None else {"spec_mode": AUTO, "costs": costs}
+    for batch in batches:
+        params = row_params(sampling, row, len(batch))
         row += len(batch)
-        out = engine.generate(batch, params, engine.model.config.eos_token_ids, drafter)
+        out = engine.generate(batch, params, engine.model.config.eos_token_ids, drafter, **policy)
         seconds += out[0].prefill_seconds + out[0].decode_seconds
         for r in out:
             tokens += len(r.token_ids)
@@ -240,6 +263,7 @@ def _row(suite, temp, b, c: Config, runs: list[RunFigures], warm: float, compile
     return {
         "suite": suite, "temperature": temp, "batch_size": b,
         "drafter": c.spec, "label": "plain" if c.spec == "none" else rep.short_label(c.spec), "num_draft": c.num_draft,
+        "spec_policy": c.spec_policy,
         "prompts": runs[0].rows,
         "tokens": statistics.median(r.tokens for r in runs),
         "tokens_per_second": statistics.median(r.tokens / r.seconds for r in runs),
@@ -248,6 +272,8 @@ def _row(suite, temp, b, c: Config, runs: list[RunFigures], warm: float, compile
         "mean_accepted_length": (tokens - rows) / steps if steps else 1.0,
         "acceptance_rate": float(acc.sum() / checked.sum()) if c.num_draft and checked.sum() else None,
         "per_position_acceptance": per_position(acc, checked) if c.num_draft else [],
+        # every verify step checks draft 0: checked[0] counts the steps that verified
+        "verified_share": float(checked[0] / steps) if c.num_draft and steps else None,
         "warmup_seconds": warm,
         "compile_seconds": compile_s,
         "peak_memory_mb": peak[0],
@@ -270,7 +296,8 @@ def prompt_runs(suite_ids: dict[str, list], n_configs: int, batch_sizes, n_tempe
 
 
 def _config_label(c: Config) -> str:
-    return "plain" if c.spec == "none" else f"{rep.short_label(c.spec)} K={c.num_draft}"
+    return rep.config_name({"drafter": c.spec, "label": rep.short_label(c.spec), "num_draft": c.num_draft,
+                            "spec_policy": c.spec_policy})
 
 
 def run_speculative_bench(model, suite_ids: dict[str, list[list[int]]], configs: list[Config],
@@ -284,6 +311,7 @@ def run_speculative_bench(model, suite_ids: dict[str, list[list[int]]], configs:
     engine = Engine(model)
     mem = PeakMemory()
     rows = []
+    tables = {}  # (config key, batch size) -> "auto" step-cost table, measured once
     if progress is not None:
         progress.begin("specjax", prompt_runs(suite_ids, len(configs), batch_sizes, len(temperatures), repeats))
     advance = progress.advance if progress is not None else None
@@ -302,7 +330,11 @@ def run_speculative_bench(model, suite_ids: dict[str, list[list[int]]], configs:
                 for c in configs:  # warm-up: compile every shape used below
                     stage("warm-up", c, b, group_key)
                     before, c0, t0 = _compiled(engine), engine.compile_seconds, time.perf_counter()
-                    run_config(engine, batches[:1], sampling, c.drafter, advance)
+                    if c.spec_policy == "auto" and (c.key, b) not in tables:  # as `generate` gets it
+                        tables[(c.key, b)] = measure_costs(engine, batches[0], row_params(sampling, 0, b),
+                                                           model.config.eos_token_ids, c.drafter,
+                                                           drafter_label(c.spec, c.drafter))
+                    run_config(engine, batches[:1], sampling, c.drafter, advance, tables.get((c.key, b)))
                     warm[c.key], comp_s[c.key] = time.perf_counter() - t0, engine.compile_seconds - c0
                     new = [v for k, v in _compiled(engine).items() if k not in before]
                     comp_mb[c.key] = compiled_memory_mb(new) if new else None
@@ -312,12 +344,15 @@ def run_speculative_bench(model, suite_ids: dict[str, list[list[int]]], configs:
                     for c in configs:
                         stage(f"repeat {rep_i + 1}/{repeats}", c, len(batches) * b, group_key)
                         mem.reset()
-                        runs[c.key].append(run_config(engine, batches, sampling, c.drafter, advance))
+                        runs[c.key].append(run_config(engine, batches, sampling, c.drafter, advance,
+                                                      tables.get((c.key, b))))
                         mb, src = mem.read()
                         peaks[c.key] = (max(peaks[c.key][0], mb), src)
-                group = []
-                for c in configs:
-                    comp = component_times(engine, c.drafter, ids[0], sampling, batch=b)
+                group, comps = [], {}
+                for c in configs:  # components do not depend on the policy: timed once per (drafter, K)
+                    if c.key[:2] not in comps:
+                        comps[c.key[:2]] = component_times(engine, c.drafter, ids[0], sampling, batch=b)
+                    comp = comps[c.key[:2]]
                     group.append(_row(suite, temp, b, c, runs[c.key], warm[c.key], comp_s[c.key], peaks[c.key],
                                       comp_mb[c.key], comp))
                 rep.add_speedups(group)
@@ -336,11 +371,13 @@ def encode_suites(model, suites: dict[str, list]) -> dict[str, list[list[int]]]:
 def bench_suites(model, suites: dict[str, list], drafters: list[str], num_drafts: list[int], batch_sizes: list[int],
                  temperatures: list[float], max_new_tokens: int, repeats: int, peers: list[str] = (),
                  json_out: str | None = None, plots_dir: str | None = None, console=None, out=None,
-                 peer_factory: str | None = None, peer_threads: int | None = None) -> dict:
+                 peer_factory: str | None = None, peer_threads: int | None = None,
+                 spec_policies: tuple[str, ...] = ("always",)) -> dict:
     """The whole `specjax bench SUITE...` run: measure, compare, recommend, print, write.
     Progress goes to stderr (`progress.py`), the report to stdout. Each peer runs in its own
     process (`peer_process.py`; `peer_factory` "module:function" replaces how peers are made,
-    for tests; `peer_threads`: each peer's CPU threads, default all cores)."""
+    for tests; `peer_threads`: each peer's CPU threads, default all cores). `spec_policies`:
+    every drafter configuration is measured under each ("always", "auto"; see the module doc)."""
     from rich.console import Console
 
     from specjax.bench import peer_process
@@ -348,7 +385,7 @@ def bench_suites(model, suites: dict[str, list], drafters: list[str], num_drafts
     from specjax.bench.progress import BenchProgress
 
     console = console or Console(stderr=True, log_path=False)
-    configs = resolve_configs(drafters, num_drafts, model)  # raises before anything runs
+    configs = resolve_configs(drafters, num_drafts, model, tuple(spec_policies))  # raises before anything runs
     suite_ids = encode_suites(model, suites)
     peer_names, skipped = peers_mod.plan_peers(list(peers), model)
     for name, why in skipped.items():
@@ -374,6 +411,7 @@ def bench_suites(model, suites: dict[str, list], drafters: list[str], num_drafts
         "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
         "max_new_tokens": max_new_tokens, "repeats": repeats, "temperatures": temperatures,
         "batch_sizes": batch_sizes, "num_drafts": num_drafts, "drafters": list(drafters),
+        "spec_policies": list(spec_policies),
         "suites": {name: len(ids) for name, ids in suite_ids.items()},
         "compile_seconds": sum(r["compile_seconds"] for r in rows),
         "results": rows,
