@@ -208,7 +208,7 @@ def cmd_batch(a) -> int:
         raise SpecjaxError(f"--limit must be >= 1, got {a.limit}")
     cfg = batch.BatchConfig(
         output=a.output, input=a.input, suite=a.suite, limit=a.limit, model=a.model, dtype=a.dtype,
-        drafter=a.drafter, num_draft=a.num_draft, spec_throttle=a.spec_throttle, sampling=sampling_from_args(a),
+        drafter=a.drafter, num_draft=a.num_draft, spec_policy=a.spec_policy, sampling=sampling_from_args(a),
         batch_size=a.batch_size,
         latency_class=a.latency_class, raw=a.raw, mesh=a.mesh, merge_wait=a.merge_wait, progress=not a.no_progress,
         num_processes=a.num_processes or 1, process_id=a.process_id or 0,
@@ -399,9 +399,10 @@ def build_parser() -> ArgumentParser:
     add_sampling_args(j, job_seed=True)
     j.add_argument("--drafter", default="none", help="none | ngram | draft:PATH | mtp[:PATH] | eagle3[:PATH][@GATE]")
     j.add_argument("--num-draft", type=int, default=0, help="K, draft tokens per step")
-    j.add_argument("--spec-throttle", default="auto", help="auto: per batch shape, speculate only where a "
-                   "short probe and the batches run so far say it pays (decisions kept in OUTPUT.throttle.json "
-                   "for resumes); off: the drafter on every batch; N: only in batches of at most N rows")
+    j.add_argument("--spec-policy", default="auto", help="auto: each row verifies only while its acceptance pays "
+                   "for a verify step at the step costs measured on each batch shape's first batch (kept in "
+                   "OUTPUT.policy.json for resumes); always: verify every step; N: speculate only in batches of "
+                   "at most N rows")
     j.add_argument("--batch-size", type=int, default=None, help="rows per batch (default: 16 for the batch "
                    "latency class, 1 for interactive)")
     j.add_argument("--latency-class", default="batch", choices=["batch", "interactive"])

@@ -38,9 +38,9 @@ from flax import nnx, struct
 from specjax.drafters.base import CommitContext, Drafter, InitContext, NoDrafter, StepContext
 from specjax.models.kv_cache import KVCache, write_rows
 from specjax.models.loading import Model
-from specjax.row_policy import FORCE, RowPolicy, new_policy
-from specjax.row_policy import plan as policy_plan
-from specjax.row_policy import update as policy_update
+from specjax.policy.rows import FORCE, RowPolicy, new_policy
+from specjax.policy.rows import plan as policy_plan
+from specjax.policy.rows import update as policy_update
 from specjax.sampling import (FIRST_TOKEN, STREAM_DRAFT, STREAM_SAMPLE, STREAM_VERIFY, SamplingArrays,
                               SamplingParams, derive, sample)
 from specjax.verify import accept
@@ -77,7 +77,7 @@ class LoopState:
     max_new: jax.Array  # [B] int32
     stop_ids: jax.Array  # [B, M] int32, -1 padded
     sampling: SamplingArrays  # [B] each
-    policy: RowPolicy | None = None  # per-row speculation fallback (specjax/row_policy.py), or None
+    policy: RowPolicy | None = None  # per-row speculation fallback (specjax/policy/rows.py), or None
 
 
 @dataclasses.dataclass
@@ -246,12 +246,21 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     last = jnp.take_along_axis(st.history, (st.hist_len - 1)[:, None], axis=1)  # [B, 1]
     pol = st.policy if k > 0 else None
     plain_pass = None  # [] bool when this step may have run the plain one-token pass
-    on = live if pol is None else policy_plan(pol, live)  # [B] rows the policy lets verify
+    on = live if pol is None else policy_plan(pol, live, st.steps)  # [B] rows the policy lets verify
     if pol is not None:
         force_verify = force_verify | (pol.mode == FORCE)
     if k > 0:
         ctx = StepContext(st.history, st.hist_len, samp, draft_seeds, all_greedy, on, force_verify)
-        proposal, dstate = drafter.propose(dparams, st.draft_state, ctx)
+        if pol is not None and drafter.proposal_optional:
+            # No row may verify this step: skip the drafter's work (a plain step follows, and its
+            # commit keeps the drafter's state current).
+            shapes = jax.eval_shape(drafter.propose, dparams, st.draft_state, ctx)
+            idle = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[0])  # draft [B, K] 0, inactive
+            proposal, dstate = jax.lax.cond(jnp.any(on) | force_verify,
+                                            lambda: drafter.propose(dparams, st.draft_state, ctx),
+                                            lambda: (idle, st.draft_state))
+        else:
+            proposal, dstate = drafter.propose(dparams, st.draft_state, ctx)
         draft, q = proposal.draft, proposal.q  # [B, K], [B, K, V] | None
         tokens_in = jnp.concatenate([last, draft], axis=1)  # [B, K+1]
         lengths = drafter.verify_lengths  # static, ascending, last = K
@@ -314,7 +323,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     checked = (pos <= n[:, None]) & (pos < own[:, None]) & (pos < n_emit[:, None])  # [B, W]; n_emit = 0 if not live
     if pol is not None:
         n_checked = jnp.sum(checked, axis=1)  # [B]
-        pol = policy_update(pol, on, live, own, n_checked, jnp.sum(checked & (pos < n[:, None]), axis=1))
+        pol = policy_update(pol, on, st.steps, own, n_checked, jnp.sum(checked & (pos < n[:, None]), axis=1))
     return st.replace(
         policy=st.policy if pol is None else pol,
         cache=cache,
@@ -379,7 +388,7 @@ class Engine:
                  costs: np.ndarray | None = None) -> list[RowOutput]:
         """`max_new_cap`: stop every row after this many tokens while compiling for the params'
         `max_new_tokens` (a short probe that runs the code the full batch runs). `spec_mode`: None
-        (verify whatever the drafter proposes, no policy state) or a `row_policy` mode (AUTO,
+        (verify whatever the drafter proposes, no policy state) or a `policy.rows` mode (AUTO,
         ALWAYS, FORCE: one compiled loop serves all three) with `costs [K + 1]` for AUTO."""
         drafter = drafter or NoDrafter()
         b = len(prompt_ids)

@@ -11,7 +11,8 @@ from specjax.drafters import Drafter, make_drafter
 from specjax.engine import Engine
 from specjax.errors import InvalidPromptError, InvalidSamplingError
 from specjax.models.loading import Model, load_model
-from specjax.row_policy import AUTO, measure_costs
+from specjax.policy.costs import measure_costs
+from specjax.policy.rows import AUTO
 from specjax.sampling import SamplingParams
 
 Prompt = str | Sequence[dict] | Sequence[int]
@@ -164,6 +165,7 @@ def generate(
     dtype: str | None = None,
     mesh=None,
     spec_policy: str = "auto",
+    spec_costs: Sequence[float] | None = None,
 ) -> list[GenerationResult]:
     """Generate a continuation for each prompt, batched.
 
@@ -174,8 +176,10 @@ def generate(
     `max_new_tokens` overrides the sampling params' value. `mesh`: a `jax.sharding.Mesh` with a
     `data` axis to shard rows over (the number of prompts must be a multiple of its size).
     `spec_policy`: "auto" (each row verifies only while its measured acceptance makes a verify
-    step beat a plain one at this machine's step costs: specjax/row_policy.py) or "always"
-    (verify whatever the drafter proposes). Both keep the target's output law.
+    step beat a plain one at this machine's step costs: specjax/policy/rows.py) or "always"
+    (verify whatever the drafter proposes). Both keep the target's output law. `spec_costs`:
+    the [K + 1] cost table `auto` decides with (a verify of L drafts in plain steps); None
+    measures it on these prompts, once per model, drafter and batch bucket (specjax/policy/costs.py).
     """
     if spec_policy not in ("auto", "always"):
         raise InvalidSamplingError(f"spec_policy must be 'auto' or 'always', got {spec_policy!r}")
@@ -198,7 +202,12 @@ def generate(
     d = get_drafter(drafter, num_draft, m)
     engine = get_engine(m, mesh)
     if spec_policy == "auto" and d.num_draft > 0:
-        costs = measure_costs(engine, ids, params, m.config.eos_token_ids, d, drafter_label(drafter, d))
+        costs = spec_costs
+        if costs is None:
+            costs = measure_costs(engine, ids, params, m.config.eos_token_ids, d, drafter_label(drafter, d))
+        elif len(costs) != d.num_draft + 1:
+            raise InvalidSamplingError(f"spec_costs needs K + 1 = {d.num_draft + 1} entries, got {len(costs)}")
+        costs = np.asarray(costs, np.float32)
         rows = engine.generate(ids, params, eos_ids=m.config.eos_token_ids, drafter=d, spec_mode=AUTO, costs=costs)
     else:
         rows = engine.generate(ids, params, eos_ids=m.config.eos_token_ids, drafter=d)

@@ -425,11 +425,11 @@ def test_two_processes_over_loopback_with_a_restart(model_dir, job_input, refere
         merge_parts(str(out), 2)
 
 
-# ---- speculation throttle (specjax/serving/batch_throttle.py) -----------------------------------
+# ---- speculation policy (specjax/policy/batch.py) ---------------------------------------------
 
 
 def batch_of_line(model, inp: str) -> dict:
-    """id -> first input line of its batch (the throttle's batch key), from the job's own plan."""
+    """id -> first input line of its batch, from the job's own plan."""
     from specjax.sampling import SamplingParams
     from specjax.serving.batch import BatchConfig, parse_input, plan_batches, read_input, tokenize
 
@@ -438,112 +438,109 @@ def batch_of_line(model, inp: str) -> dict:
     return {r.id: str(b[0].line) for b, _ in plan_batches(rows, BATCH) for r in b}
 
 
-def test_auto_throttle_records_each_batch_k_and_resume_reuses_it(model, job_input, reference, tmp_path):
-    """`auto` (the default with a drafter): each class of batch (rows, greedy/sampled) is probed
-    once, each batch's K is written to OUTPUT.throttle.json before it runs and applied (the
-    rows' stats say which), greedy rows equal plain decoding. On a rerun the recorded K is
-    reused, not decided again: a batch whose recorded K is flipped reruns with the flipped K, and
-    an unflipped one reproduces the uninterrupted rows bit for bit, sampled rows too."""
+def test_auto_policy_records_cost_tables_and_resume_reuses_them(model, job_input, reference, tmp_path):
+    """`auto` (the default with a drafter): each class of batch (rows, greedy/sampled) gets one
+    measured cost table, written to OUTPUT.policy.json and used by every batch of the class;
+    greedy rows equal plain decoding. A rerun reads the recorded tables instead of measuring:
+    lost sampled rows come back bit for bit, and a greedy class whose table is replaced by one
+    under which no verify pays reruns its lost rows without verifying once."""
     from specjax.serving.batch import run_batch
 
     out = tmp_path / "res.jsonl"
     summary = run_batch(config(model, job_input, out, drafter="ngram", num_draft=3))
-    state_path = str(out) + ".throttle.json"
+    state_path = str(out) + ".policy.json"
     with open(state_path) as fh:
         state = json.load(fh)
     first = read_rows(out)
-    key_of = batch_of_line(model, job_input)
-    assert set(state["batches"]) == set(key_of.values()) and len(state["batches"]) == 4
-    assert set(state["probes"]) == {"4/greedy", "4/sampled"}
-    assert set(state["batches"].values()) <= {0, 3}
-    for r in first:
-        assert r["stats"]["num_draft"] == state["batches"][key_of[r["id"]]], r["id"]
+    assert set(state["classes"]) == {"4/greedy", "4/sampled"}
+    for entry in state["classes"].values():
+        assert len(entry["costs"]) == 4 and entry["costs"][0] == 1.0 and entry["batches"] >= 1
     assert_same(first, reference, list(reference), greedy_only=True)  # lossless
-    assert set(summary["speculation"]) == {"4/greedy", "4/sampled"}
     for cls, entry in summary["speculation"].items():
-        assert entry["expected_gain"] > 0 and entry["next_k"] in (0, 3), cls
+        assert 0.0 <= entry["verified_share"] <= 1.0 and entry["verify_cost"] >= 1.0, cls
+    assert all(r["stats"]["spec_policy"] == "auto" and r["stats"]["num_draft"] == 3 for r in first)
 
+    key_of = batch_of_line(model, job_input)
     sampled_ids = {r["id"] for r in job_rows() if "temperature" in r}
-    sampled_key = key_of["q12"]
-    flipped = min({key_of[r["id"]] for r in first if r["id"] not in sampled_ids}, key=int)  # a greedy batch
-    state["batches"][flipped] = 3 - state["batches"][flipped]
+    lost_greedy = min({key_of[r["id"]] for r in first if r["id"] not in sampled_ids}, key=int)
+    state["classes"]["4/greedy"]["costs"] = [1.0, 9.0, 9.0, 9.0]  # no width can pay
     with open(state_path, "w") as fh:
         json.dump(state, fh)
-    redo = {flipped, sampled_key}
-    with open(out, "w") as fh:  # the rows of two batches lost
-        fh.writelines(json.dumps(r) + "\n" for r in first if key_of[r["id"]] not in redo)
+    lost = {r["id"] for r in first if r["id"] in sampled_ids or key_of[r["id"]] == lost_greedy}
+    with open(out, "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in first if r["id"] not in lost)
     again = run_batch(config(model, job_input, out, drafter="ngram", num_draft=3))
-    assert again["written"] == sum(key_of[r["id"]] in redo for r in first)
+    assert again["written"] == len(lost)
     rows = {r["id"]: r for r in read_rows(out)}
     before = {r["id"]: r for r in first}
-    for i, r in rows.items():
-        assert r["stats"]["num_draft"] == state["batches"][key_of[i]], i
-        if key_of[i] == sampled_key:  # same K as before: the same samples
-            assert r["token_ids"] == before[i]["token_ids"], i
+    for i in lost:
+        if i in sampled_ids:  # the same table: the same decisions and samples
+            assert rows[i]["token_ids"] == before[i]["token_ids"], i
+            assert rows[i]["stats"]["verified_steps"] == before[i]["stats"]["verified_steps"], i
+        else:
+            assert rows[i]["stats"]["verified_steps"] == 0, i
     assert_same(list(rows.values()), reference, list(reference), greedy_only=True)
     with open(state_path) as fh:
-        assert json.load(fh)["batches"][flipped] == state["batches"][flipped]
+        assert json.load(fh)["classes"]["4/greedy"]["costs"] == [1.0, 9.0, 9.0, 9.0]  # not measured again
 
 
 @pytest.mark.parametrize("policy, expect", [("2", {4: 0, 1: 3}), ("4", {4: 3, 1: 3}), ("0", {4: 0, 1: 0}),
-                                            ("off", {4: 3, 1: 3})])
-def test_static_throttle_by_batch_rows(model, greedy_input, reference, tmp_path, policy, expect):
-    """`--spec-throttle N`: speculate in batches of at most N rows (5 rows: a batch of 4 and one
-    of 1); `off`: in every batch. Greedy rows equal plain decoding either way; no state file."""
+                                            ("always", {4: 3, 1: 3})])
+def test_static_policy_by_batch_rows(model, greedy_input, reference, tmp_path, policy, expect):
+    """`--spec-policy N`: speculate in batches of at most N rows (5 rows: a batch of 4 and one
+    of 1); `always`: in every batch, verifying every step. Greedy rows equal plain decoding either
+    way; no state file."""
     from specjax.serving.batch import run_batch
 
     with open(greedy_input) as fh:
         inp = write_jsonl(tmp_path / "in.jsonl", [json.loads(line) for line in fh][:5])
     out = tmp_path / "res.jsonl"
-    run_batch(config(model, inp, out, drafter="ngram", num_draft=3, spec_throttle=policy))
+    run_batch(config(model, inp, out, drafter="ngram", num_draft=3, spec_policy=policy))
     rows = read_rows(out)
     key_of = batch_of_line(model, inp)
     sizes = collections.Counter(key_of.values())
     for r in rows:
         assert r["stats"]["num_draft"] == expect[sizes[key_of[r["id"]]]], (policy, r["id"])
+        assert r["stats"]["spec_policy"] == "always", r["id"]
     assert_same(rows, reference, [r["id"] for r in rows])
-    assert not os.path.exists(str(out) + ".throttle.json")
+    assert not os.path.exists(str(out) + ".policy.json")
 
 
-def test_throttle_decisions_from_figures(tmp_path):
-    """The `auto` arithmetic on fixed figures: gain = MAL x plain step / speculative step; a class
-    the probe switched on is switched off by a poor batch and stays off; the state file reloads
-    to the same decisions, another drafter or K ignores it, a corrupt one is a one-line error."""
+def test_batch_policy_state_file(tmp_path):
+    """A class's table is measured once and recorded before use; the file reloads to the same
+    tables; another drafter or K ignores it; a failed measurement records nothing; a corrupt
+    file is a one-line error; bad settings are one-line errors."""
     from specjax.errors import SpecjaxError
-    from specjax.serving.batch_throttle import BatchThrottle, Figures, expected_gain, parse_policy
+    from specjax.policy.batch import BatchPolicy, parse_policy
 
-    plain = Figures(iterations=16, seconds=1.6, row_steps=64, step_tokens=64)  # 0.1 s per step
-    good = Figures(iterations=8, seconds=1.2, row_steps=32, step_tokens=64)  # 0.15 s, MAL 2
-    assert expected_gain(plain, good) == pytest.approx(2.0 * 0.1 / 0.15)
-    assert expected_gain(plain, Figures()) is None
+    path = str(tmp_path / "out.jsonl.policy.json")
+    calls = []
 
-    path = str(tmp_path / "out.jsonl.throttle.json")
-    t = BatchThrottle("auto", 3, "ngram", path)
-    assert t.needs_probe("1", 4, True)
-    t.record_probe(4, True, good, plain)
-    assert not t.needs_probe("5", 4, True) and t.needs_probe("5", 4, False)
-    assert t.k_for("1", 4, True) == 3
-    t.record_batch("1", 3, Figures(iterations=100, seconds=25.0, row_steps=400, step_tokens=440))  # MAL 1.1
-    assert t.gain("4/greedy") < 1.05
-    assert t.k_for("9", 4, True) == 0
-    t.record_batch("9", 0, Figures(iterations=100, seconds=10.0, row_steps=400, step_tokens=400))
-    assert t.k_for("13", 4, True) == 0
-    assert t.k_for("1", 4, True) == 3  # a batch that ran keeps its K
+    def measure():
+        calls.append(1)
+        return [1.0, 1.2, 1.4, 1.6]
 
-    again = BatchThrottle("auto", 3, "ngram", path)
-    assert again.batches == t.batches and again.gain("4/greedy") == pytest.approx(t.gain("4/greedy"))
-    assert again.summary()["4/greedy"]["speculative_batches"] == 1
-    other = BatchThrottle("auto", 5, "ngram", path)
-    assert other.batches == {} and other.needs_probe("1", 4, True)
-
+    p = BatchPolicy("auto", 3, "ngram", path)
+    assert p.costs_for(4, False, lambda: None) is None and not os.path.exists(path)
+    assert p.costs_for(4, True, measure) == [1.0, 1.2, 1.4, 1.6] and os.path.exists(path)
+    assert p.costs_for(4, True, measure) == [1.0, 1.2, 1.4, 1.6] and len(calls) == 1
+    p.record(4, True, steps=100, verified_steps=25)
+    assert p.summary() == {"4/greedy": {"batches": 1, "verify_cost": 1.6, "verified_share": 0.25}}
+    assert "1.60 plain steps" in p.describe(4, True)
+    again = BatchPolicy("auto", 3, "ngram", path)
+    assert again.costs_for(4, True, measure) == [1.0, 1.2, 1.4, 1.6] and len(calls) == 1
+    assert BatchPolicy("auto", 5, "ngram", path).classes == {}
+    assert BatchPolicy("auto", 3, "eagle3", path).classes == {}
+    assert BatchPolicy("always", 3, "ngram", path).costs_for(4, True, measure) is None
+    assert not BatchPolicy(2, 3, "ngram", None).speculates(4) and BatchPolicy(4, 3, "ngram", None).speculates(4)
     with open(path, "w") as fh:
         fh.write("{not json")
-    with pytest.raises(SpecjaxError, match="unreadable throttle state"):
-        BatchThrottle("auto", 3, "ngram", path)
-    for bad in ("fast", "-1", "1.5"):
-        with pytest.raises(SpecjaxError, match="--spec-throttle"):
+    with pytest.raises(SpecjaxError, match="unreadable speculation state"):
+        BatchPolicy("auto", 3, "ngram", path)
+    for bad in ("fast", "-1", "1.5", "off"):
+        with pytest.raises(SpecjaxError, match="--spec-policy"):
             parse_policy(bad)
-    assert parse_policy("AUTO") == "auto" and parse_policy(" 8 ") == 8
+    assert parse_policy("AUTO") == "auto" and parse_policy(" 8 ") == 8 and parse_policy("always") == "always"
 
 
 # ---- CLI -----------------------------------------------------------------------------------------
@@ -551,7 +548,7 @@ def test_throttle_decisions_from_figures(tmp_path):
 
 @pytest.mark.parametrize("case", ["missing", "directory", "no_input", "both_inputs", "merge_incomplete",
                                   "half_process_flags", "bad_batch_size", "mesh_syntax", "mesh_too_big",
-                                  "bad_spec_throttle"])
+                                  "bad_spec_policy"])
 def test_cli_bad_input_one_line_exit_2(case, tmp_path, capsys):
     from specjax.cli import main
 
@@ -567,7 +564,7 @@ def test_cli_bad_input_one_line_exit_2(case, tmp_path, capsys):
         "bad_batch_size": ["--input", inp, "--batch-size", "0"],
         "mesh_syntax": ["--input", inp, "--mesh", "rows=2"],
         "mesh_too_big": ["--input", inp, "--mesh", "data=2,model=2"],  # this process has one device
-        "bad_spec_throttle": ["--input", inp, "--drafter", "ngram", "--spec-throttle", "fast"],
+        "bad_spec_policy": ["--input", inp, "--drafter", "ngram", "--spec-policy", "fast"],
     }[case]
     assert main(["batch", "--output", out, *args]) == 2
     err = capsys.readouterr().err
@@ -641,7 +638,7 @@ def snapshot(directory) -> dict:
     return {n: open(os.path.join(directory, n), "rb").read() for n in sorted(os.listdir(directory))}
 
 
-@pytest.mark.parametrize("suffix", [".errors.jsonl", ".job.json", ".throttle.json"])
+@pytest.mark.parametrize("suffix", [".errors.jsonl", ".job.json", ".policy.json"])
 def test_a_job_never_writes_its_own_input(suffix, model_dir, tmp_path, capsys):
     """`--input x.errors.jsonl --output x` emptied its input (issue 29, item 1): every file the job
     writes is checked against the input, and the job is refused with nothing written."""
@@ -670,7 +667,7 @@ def test_input_behind_a_symlink_or_hard_link_is_still_the_input(model_dir, tmp_p
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("existing", ["output", "job", "errors", "throttle"])
+@pytest.mark.parametrize("existing", ["output", "job", "errors", "policy"])
 def test_refused_output_leaves_every_file_as_it_was(existing, model_dir, tmp_path, capsys):
     """A file the job would overwrite that is not one of the job's kind is refused before the
     model loads, and no file appears beside it (OUT.job.json used to be written first)."""
@@ -679,7 +676,7 @@ def test_refused_output_leaves_every_file_as_it_was(existing, model_dir, tmp_pat
     inp = write_jsonl(tmp_path / "in.jsonl", job_rows()[:2])
     out = str(tmp_path / "precious.txt")
     target = {"output": out, "job": out + ".job.json", "errors": out + ".errors.jsonl",
-              "throttle": out + ".throttle.json"}[existing]
+              "policy": out + ".policy.json"}[existing]
     with open(target, "w") as fh:
         fh.write("my notes, not a batch file\n")
     before = snapshot(tmp_path)

@@ -55,7 +55,7 @@ value = st.one_of(text, number)
 
 GENERATE_FLAGS = ["--temperature", "--top-k", "--top-p", "--seed", "--drafter", "--num-draft", "--dtype",
                   "--spec-policy", "--json", "--raw", "--compare-plain", "--bogus", "-x"]
-BATCH_FLAGS = ["--temperature", "--top-k", "--top-p", "--seed", "--raw", "--latency-class", "--spec-throttle",
+BATCH_FLAGS = ["--temperature", "--top-k", "--top-p", "--seed", "--raw", "--latency-class", "--spec-policy",
                "--batch-size", "--limit", "--num-draft", "--drafter", "--mesh", "--process-id", "--num-processes"]
 NO_VALUE = {"--json", "--raw", "--compare-plain"}
 

@@ -182,13 +182,14 @@ def test_sampled_law_holds_across_rows_switching_speculation_off_and_on(models):
     keeps verifying. Over the first four tokens rows mix verify and plain steps in every order
     the policy allows; the first two tokens' joint law and the third's and fourth's marginals are
     the target's."""
-    from specjax import row_policy
+    from specjax.policy.costs import cost_table
+    from specjax.policy.rows import AUTO
 
     target, draft = models
     sp = SETTINGS[0]
     seeded = [dataclasses.replace(sp, seed=7 * N_ROWS + i, max_new_tokens=4) for i in range(N_ROWS)]
     rows = Engine(target).generate([PROMPT] * N_ROWS, seeded, drafter=DraftModelDrafter(2, draft, target.config),
-                                   spec_mode=row_policy.AUTO, costs=row_policy.cost_table(2, 1.6))
+                                   spec_mode=AUTO, costs=cost_table(2, 1.6))
     assert all(len(r.token_ids) == 4 for r in rows)
     switched = sum(1 for r in rows if r.checked[0] >= 2 and r.steps > r.checked[0])  # verify, plain, verify
     stayed_on = sum(1 for r in rows if r.checked[0] == r.steps >= 2)  # accepted enough to keep verifying

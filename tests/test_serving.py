@@ -20,8 +20,9 @@ from specjax.models.loading import random_model
 from specjax.sampling import SamplingParams
 from specjax.serving.config import MonitorConfig, ServingConfig, load_config
 from specjax.serving.metrics import ServingMetrics
-from specjax.serving.monitor import AcceptanceMonitor, DecisionLog, Estimate, Sample
-from specjax.serving.policy import Policy, StepCosts
+from specjax.policy.chunks import Policy
+from specjax.policy.costs import StepCosts
+from specjax.policy.monitor import AcceptanceMonitor, DecisionLog, Estimate, Sample
 from specjax.serving.scheduler import Request, Scheduler
 from specjax.serving.slots import SlotEngine
 

@@ -93,13 +93,17 @@ class Drafter:
     # [B, 1] and hidden states of one position) after a plain step: the engine then skips its
     # work on the K positions a plain step did not emit.
     narrow_commit: bool = False
+    # Whether `commit` keeps the state current on a plain step whether or not `propose` ran in it
+    # (propose writes nothing commit reads): the engine then skips proposing on steps where the
+    # speculation policy lets no row verify (specjax/policy/rows.py).
+    proposal_optional: bool = False
 
     def __init__(self, num_draft: int):
         self.num_draft = int(num_draft)
 
     def cache_key(self) -> tuple:
         """Everything static that changes the compiled code."""
-        return (type(self).__name__, self.num_draft, self.verify_lengths)
+        return (type(self).__name__, self.num_draft, self.verify_lengths, self.proposal_optional)
 
     @property
     def verify_lengths(self) -> tuple[int, ...]:

@@ -127,6 +127,10 @@ class DraftModelDrafter(Drafter):
     3-layer draft of SmolLM2 cuts a draft token's cost from ~29% of a target step to ~11%."""
 
     name = "draft"
+    # A plain step's one-position commit feeds the draft model the token drafting would have fed,
+    # so its cache stays current whether or not `propose` ran.
+    narrow_commit = True
+    proposal_optional = True
 
     def __init__(self, num_draft: int, model: Model, target_config=None, draft_vocab=None):
         super().__init__(num_draft)
@@ -176,8 +180,8 @@ class DraftModelDrafter(Drafter):
 
     def commit(self, dparams, cache, ctx: CommitContext):
         if ctx.tokens.shape[1] == 1:
-            # A plain step (K = 0: the serving scheduler switches K between chunks). Drafting did
-            # not feed this step's tokens, so write position hist_len - 3 (new) to keep the
+            # A plain step (K = 0, or a plain step of a K > 0 loop: `narrow_commit`). Drafting may
+            # not have fed this step's tokens, so write position hist_len - 3 (new) to keep the
             # discipline above; a row that did not advance rewrites the same token in place.
             m = nnx.merge(self.model.graphdef, dparams["model"])
             pos = jnp.maximum(ctx.hist_len - 3, 0)  # [B]

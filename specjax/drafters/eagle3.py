@@ -218,6 +218,7 @@ class Eagle3Drafter(Drafter):
     name = "eagle3"
     needs_final_hidden = False
     narrow_commit = True  # commit reads positions up to the emitted ones only
+    proposal_optional = True  # propose writes only scratch entries that commit overwrites
 
     def __init__(self, num_draft: int, weights: Eagle3Weights, target, min_confidence: float = 0.0):
         super().__init__(num_draft)

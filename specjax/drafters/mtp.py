@@ -201,6 +201,7 @@ class MTPState:
 class MTPDrafter(Drafter):
     name = "mtp"
     needs_final_hidden = True
+    proposal_optional = True  # propose writes only scratch entries that commit overwrites
 
     def __init__(self, num_draft: int, weights: MTPWeights, target, draft_vocab=None):
         """`draft_vocab` (`d2t [N]`, optional): the target ids the modules may propose; the head

@@ -38,6 +38,7 @@ from specjax.drafters.base import Drafter, Proposal, StepContext
 
 class NgramDrafter(Drafter):
     name = "ngram"
+    proposal_optional = True  # stateless
 
     SHORT = 3  # drafts verified for a match shorter than long_n (when K > SHORT)
 

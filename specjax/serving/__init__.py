@@ -6,9 +6,8 @@
   extract / chunk per (batch bucket, K), warm-up and step-cost timing;
 * `scheduler.py` — continuous batching with latency classes (interactive first, batch rows
   preempted and parked for them), one thread owning the device;
-* `policy.py` — load-aware throttling: K per chunk from step costs, batch, queue and acceptance;
-* `monitor.py` — rolling acceptance / MAL per class, fallback with hysteresis and probes,
-  the decision log;
+* when to speculate (K per chunk, the acceptance monitor): `specjax/policy/`, shared with
+  `generate` and batch jobs;
 * `metrics.py` — Prometheus text exposition;
 * `server.py` — `specjax serve`, the OpenAI-compatible HTTP API (Starlette + uvicorn);
 * `config.py` — the serving config (`configs/serving-policy.yaml`);

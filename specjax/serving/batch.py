@@ -17,8 +17,8 @@ nothing:
   batch with some rows done is run whole again and only its missing rows are written. Every row
   is therefore computed in the same batch, with the same shapes and seed, as in an uninterrupted
   run: resumed outputs equal uninterrupted ones bit for bit, sampled rows too.
-  Whether a batch speculates (`--spec-throttle`, batch_throttle.py) is recorded before it runs
-  and reused when it runs again;
+  How a batch speculates (`--spec-policy`, specjax/policy/batch.py: the per-row rule's cost table)
+  is recorded before it runs and reused when it runs again;
 * what gives the results their meaning (model, dtype, sampling defaults, job seed, chat
   template) is recorded in `OUTPUT.job.json`, and a rerun with other values is refused rather
   than mixing two jobs in one file. The drafter, K and batch size may change between runs:
@@ -33,8 +33,7 @@ accept step), sorted by prompt length within a group (fewer prompt buckets, rows
 together) and cut into batches of `--batch-size`. Each batch is padded to a power of two rows (and
 a multiple of the mesh's `data` size) so few shapes compile. Every row draws from its own seed's
 stream and checks only its own drafts, so a sampled row's text does not depend on its batch-mates
-or the process split, only on the K its batch ran with (which `--spec-throttle auto` decides per
-batch shape).
+or the process split, only on how its batch speculated (`--spec-policy`, per batch shape).
 
 Files: every path the job will write is checked before the model loads, and nothing is written
 until every check has passed (`batch_files.py`; docs/files.md).
@@ -55,8 +54,8 @@ from typing import Any
 from specjax.errors import SpecjaxError, short_repr
 from specjax.serving import scaleout
 from specjax.serving.batch_files import (ResultsFile, check_job_settings, check_merge_paths, check_paths, json_line,
-                                         results_path, throttle_path)
-from specjax.serving.batch_throttle import PROBE_TOKENS, BatchThrottle, Figures, class_key
+                                         policy_path, results_path)
+from specjax.policy.batch import BatchPolicy
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "max_new_tokens", "seed")
 ROW_FIELDS = {"id", "prompt", "messages", "max_tokens", *SAMPLING_FIELDS}  # what a row may carry
@@ -92,7 +91,7 @@ class BatchConfig:
     dtype: str | None = None
     drafter: str | None = "none"
     num_draft: int = 0
-    spec_throttle: str | int = "auto"  # batch_throttle.py: auto | off | N (speculate up to N rows)
+    spec_policy: str | int = "auto"  # specjax/policy/batch.py: auto | always | N (speculate up to N rows)
     sampling: Any = None  # default SamplingParams of rows
     batch_size: int | None = None  # None: from the latency class
     latency_class: str = "batch"
@@ -393,8 +392,7 @@ def run_batch(cfg: BatchConfig) -> dict:
     settings = job_settings(cfg, model, defaults, sampled)
     job_file = scaleout.job_path(out_path)
     check_job_settings(job_file, settings, out_path)
-    throttle = BatchThrottle(cfg.spec_throttle, drafter.num_draft, cfg.drafter or "none",
-                             throttle_path(out_path))
+    policy = BatchPolicy(cfg.spec_policy, drafter.num_draft, cfg.drafter or "none", policy_path(out_path))
     # Rows already written are tokenized too: their lengths place them in their batch.
     checked = [tokenize(model, r, cfg.raw) if isinstance(r, JobRow) else r for r in mine]
     rows = [r for r in checked if isinstance(r, JobRow)]
@@ -410,27 +408,25 @@ def run_batch(cfg: BatchConfig) -> dict:
     meter = Meter(len(rows), already, cfg.progress, f"part {pid}/{n_proc}" if n_proc > 1 else "batch")
     data = sizes["data"] if mesh is not None else 1
     errors_fd = os.open(err_path, os.O_WRONLY | os.O_APPEND)
-    last_k: dict[str, int] = {}  # class -> K of its previous batch in this run (logs changes)
+    told: set[tuple[int, bool]] = set()  # batch classes whose speculation this run has logged
     try:
         for batch, size in plan_batches(rows, batch_size, data):
             todo = [r for r in batch if json.dumps(r.id) not in results.done]
             if not todo:
                 continue
             # The whole batch runs even when some rows are done, so every row gets exactly the
-            # result an uninterrupted run gives it (with the K it ran with, batch_throttle.py);
-            # only the missing rows are written.
-            key, greedy = str(batch[0].line), batch[0].sampling.greedy
-            if throttle.needs_probe(key, size, greedy):
-                probe_class(throttle, batch, size, model, mesh, drafter)
-            k = throttle.k_for(key, size, greedy)
-            cls = class_key(size, greedy)
-            if last_k.setdefault(cls, k) != k:
-                log(throttle.describe(cls))
-                last_k[cls] = k
-            ran = generate_batch(batch, size, model, cfg, mesh, k)
-            figures = run_figures([res for _, res in ran])
-            if figures is not None:
-                throttle.record_batch(key, k, figures)
+            # result an uninterrupted run gives it (with the cost table it ran with,
+            # specjax/policy/batch.py); only the missing rows are written.
+            greedy = batch[0].sampling.greedy
+            spec = policy.speculates(size)
+            costs = policy.costs_for(size, greedy, lambda: measure_class(batch, size, model, mesh, drafter, cfg)) \
+                if spec else None
+            if (size, greedy) not in told:
+                log(policy.describe(size, greedy))
+                told.add((size, greedy))
+            ran = generate_batch(batch, size, model, cfg, mesh, spec, costs)
+            done = [res for _, res in ran if not isinstance(res, SpecjaxError)]
+            policy.record(size, greedy, sum(r.stats.steps for r in done), sum(r.stats.verified_steps for r in done))
             meter.add_batch([res for _, res in ran])
             for r, res in ran:
                 if json.dumps(r.id) in results.done:
@@ -455,8 +451,8 @@ def run_batch(cfg: BatchConfig) -> dict:
         "mean_accepted_length": meter.mal, "prefill_seconds": meter.prefill_seconds,
         "decode_seconds": meter.decode_seconds,
     }
-    if throttle.path:
-        summary["speculation"] = throttle.summary()
+    if policy.path:
+        summary["speculation"] = policy.summary()
     log(f"{meter.rows} rows written to {out_path} ({already} were already there), {len(bad)} bad rows "
         f"in {err_path}; {meter.tokens} tokens in {secs:.1f} s: {meter.rates()} (engine: prefill "
         f"{meter.prefill_seconds:.1f} s, decode {meter.decode_seconds:.1f} s)")
@@ -465,47 +461,29 @@ def run_batch(cfg: BatchConfig) -> dict:
     return summary
 
 
-def run_figures(results) -> Figures | None:
-    """Figures of one batch run from its rows' results; None when it did not run as one batch
-    (split after an out-of-memory error, or rows run alone after a bad one)."""
-    if not results or any(isinstance(r, SpecjaxError) for r in results):
-        return None
-    if len({r.stats.decode_seconds for r in results}) != 1:
-        return None
-    return Figures.of_rows([r.stats.steps for r in results], [len(r.token_ids) for r in results],
-                           results[0].stats.decode_seconds)
-
-
-def probe_class(throttle: BatchThrottle, batch, size, model, mesh, drafter) -> None:
-    """The `auto` throttle's two short runs (speculative, plain) on the first batch of a class,
-    at the batch's own shapes; a probe that fails leaves the class undecided (the batch then
-    runs as asked and reports its own error, if any)."""
-    from specjax.drafters import NoDrafter
-    from specjax.generate import get_engine
+def measure_class(batch, size, model, mesh, drafter, cfg) -> list[float] | None:
+    """The cost table of a batch class under `--spec-policy auto`: the decode loop timed on this
+    batch's own rows and shapes (specjax/policy/costs.py; cached per model, drafter and bucket).
+    None when the batch cannot run whole (a bad row, out of device memory): the batch then runs
+    as `generate_batch` splits it, verifying every step, and the class's next batch measures."""
+    from specjax.generate import drafter_label, get_engine
+    from specjax.policy.costs import measure_costs
 
     ids, params = batch_inputs(batch, size)
-    engine = get_engine(model, mesh)
-    figs = []
     try:
-        for d in (drafter, NoDrafter()):
-            # A few steps first, untimed: the first loop steps after compiling run up to twice
-            # as slow (measured on CPU), which would misprice a 16-token probe.
-            rows = [engine.generate(ids, params, eos_ids=model.config.eos_token_ids, drafter=d,
-                                    max_new_cap=cap)[: len(batch)] for cap in (4, PROBE_TOKENS)][-1]
-            figs.append(Figures.of_rows([r.steps for r in rows], [len(r.token_ids) for r in rows],
-                                        rows[0].decode_seconds))
+        return measure_costs(get_engine(model, mesh), ids, params, model.config.eos_token_ids, drafter,
+                             drafter_label(cfg.drafter, drafter)).tolist()
     except SpecjaxError:
-        return
-    except Exception as e:  # device out of memory: the batch splits itself (generate_batch)
+        return None
+    except Exception as e:
         if not out_of_memory(e):
             raise
-        return
-    throttle.record_probe(size, batch[0].sampling.greedy, *figs)
-    log(throttle.describe(class_key(size, batch[0].sampling.greedy)))
+        return None
 
 
-def generate_batch(batch, size, model, cfg, mesh, k: int) -> list[tuple[JobRow, Any]]:
-    """(row, GenerationResult) for each row. When the batch fails on bad input, its rows run one
+def generate_batch(batch, size, model, cfg, mesh, spec: bool, costs) -> list[tuple[JobRow, Any]]:
+    """(row, GenerationResult) for each row, with the drafter if `spec` (deciding per row with
+    the cost table `costs`, or verifying every step when None). When the batch fails on bad input, its rows run one
     by one and those that fail alone get their SpecjaxError instead of a result. When it runs out
     of device memory, it runs as two halves (recursively, each padded to its own power of two), so
     one oversized batch does not end the job; a row that does not fit alone is a bad row."""
@@ -515,9 +493,9 @@ def generate_batch(batch, size, model, cfg, mesh, k: int) -> list[tuple[JobRow, 
 
     def gen(rows, n):
         ids, params = batch_inputs(rows, max(n, len(rows)))
-        spec = k > 0
         out = specjax.generate(ids, model=model, sampling=params, drafter=cfg.drafter if spec else "none",
-                               num_draft=cfg.num_draft if spec else 0, mesh=mesh)
+                               num_draft=cfg.num_draft if spec else 0, mesh=mesh,
+                               spec_policy="always" if costs is None else "auto", spec_costs=costs)
         return out[: len(rows)]
 
     def run(rows, n):

@@ -5,7 +5,7 @@ A job (`specjax batch --output OUT`, one process) writes
 * `OUT`: the results, appended line by line (`ResultsFile`);
 * `OUT.errors.jsonl`: its bad rows, rewritten on each run;
 * `OUT.job.json`: the settings that give the results their meaning (batch.py: `job_settings`);
-* `OUT.throttle.json`: the `--spec-throttle auto` decisions (batch_throttle.py);
+* `OUT.policy.json`: the `--spec-policy auto` cost tables (specjax/policy/batch.py);
 * `P.tmp-PID` beside each file P written atomically (written, then renamed over P).
 
 Process I of N writes the same files for its part `OUT.part-I-of-N` plus the marker
@@ -31,8 +31,8 @@ from specjax.serving import scaleout
 RESULT_FIELDS = {"id", "line", "token_ids", "finish_reason"}  # what every result line carries
 
 
-def throttle_path(out_path: str) -> str:
-    return f"{out_path}.throttle.json"
+def policy_path(out_path: str) -> str:
+    return f"{out_path}.policy.json"
 
 
 def results_path(cfg) -> str:
@@ -46,7 +46,7 @@ def written_files(cfg) -> dict[str, str]:
     may write, temporary files aside (`temp_files`)."""
     out = results_path(cfg)
     files = {out: "results", scaleout.errors_path(out): "errors", scaleout.job_path(out): "json",
-             throttle_path(out): "json"}
+             policy_path(out): "json"}
     if cfg.num_processes > 1:
         files[scaleout.done_path(out)] = "json"
         if cfg.process_id == 0:  # the merge
@@ -64,7 +64,7 @@ def check_paths(cfg) -> None:
     """Refuse, before anything loads and without writing a byte, a job whose input cannot be read
     or whose files cannot or must not be written (see the module docstring)."""
     from specjax.serving.batch import LATENCY_BATCH_SIZE
-    from specjax.serving.batch_throttle import parse_policy
+    from specjax.policy.batch import parse_policy
 
     if bool(cfg.input) == bool(cfg.suite):
         raise SpecjaxError("batch: give exactly one of --input FILE and --suite NAME")
@@ -78,7 +78,7 @@ def check_paths(cfg) -> None:
         raise SpecjaxError(f"--process-id must be in [0, {cfg.num_processes}), got {cfg.process_id}")
     if cfg.latency_class not in LATENCY_BATCH_SIZE:
         raise SpecjaxError(f"--latency-class must be one of {', '.join(LATENCY_BATCH_SIZE)}")
-    parse_policy(cfg.spec_throttle)
+    parse_policy(cfg.spec_policy)
     if cfg.batch_size is not None and cfg.batch_size < 1:
         raise SpecjaxError(f"--batch-size must be >= 1, got {cfg.batch_size}")
     out_dir = os.path.dirname(os.path.abspath(cfg.output))

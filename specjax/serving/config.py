@@ -18,7 +18,7 @@ POLICIES = ("rules", "always", "never", "schedule")
 
 @dataclasses.dataclass
 class MonitorConfig:
-    """Acceptance monitor and fallback (monitor.py). Steps are row-steps of the class."""
+    """Acceptance monitor and fallback (specjax/policy/monitor.py). Steps are row-steps of the class."""
 
     window_steps: int = 64  # rolling window of speculative row-steps per class
     min_steps: int = 16  # no decision before this many row-steps in the window
@@ -54,7 +54,7 @@ class ServingConfig:
     # context served here, and tokenizing it costs seconds of CPU (off the event loop).
     max_request_bytes: int = 4 * 1024 * 1024
     step_costs: Any = None  # {bucket: {K: seconds}} or a JSON path; None = measure at warm-up
-    calibrate_costs: bool = True  # scale the step costs by what the chunks actually take (policy.py)
+    calibrate_costs: bool = True  # scale the step costs by what the chunks actually take (specjax/policy/costs.py)
     cost_refresh_chunks: int = 32  # with calibration: run plain a chunk when K = 0 has not been timed
     # at this bucket for this many chunks (its cost is what every K > 0 is judged against); 0: never
     confidence_z: float = 1.0  # K > 0 must pay with each acceptance lowered by this many std errors

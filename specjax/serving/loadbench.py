@@ -11,7 +11,7 @@ point would charge every short point with what a server learns once):
 
 * `always`: speculation always on at K_max (no fallback);
 * `never`: plain decoding (K = 0);
-* `rules`: the serving rules (policy.py + monitor.py), as `specjax serve` runs them.
+* `rules`: the serving rules (specjax/policy/chunks.py + monitor.py), as `specjax serve` runs them.
 
 Reported per point and mode: generated tokens per second (median over repeats, and the spread
 of the repeats, which is the noise the claim is judged against), mean inter-token latency and

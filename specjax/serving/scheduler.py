@@ -12,9 +12,9 @@ One iteration of the loop:
    When no slot is free the running batch grows to the next bucket; at the largest bucket an
    interactive request may preempt a batch row, which is parked (its one-row state kept on the
    device) and resumed later;
-3. the policy (policy.py) picks K for the chunk from the running rows per class, the queue depth,
+3. the policy (specjax/policy/chunks.py) picks K for the chunk from the running rows per class, the queue depth,
    the step costs (warm-up table, calibrated by every chunk's wall time) and the acceptance
-   monitor (monitor.py); probes run here too;
+   monitor (specjax/policy/monitor.py); probes run here too;
 4. one compiled chunk of up to `chunk_steps` steps runs (it returns early when a row finishes and
    requests are waiting, so they get the slot at once);
 5. the rows' counters are read back: new tokens go to their requests, finished rows leave, the
@@ -41,8 +41,9 @@ import numpy as np
 from specjax.sampling import SamplingParams
 from specjax.serving.config import LATENCY_CLASSES, ServingConfig
 from specjax.serving.metrics import ServingMetrics
-from specjax.serving.monitor import AcceptanceMonitor, DecisionLog, Estimate, Sample
-from specjax.serving.policy import Policy, StepCosts
+from specjax.policy.chunks import Policy
+from specjax.policy.costs import StepCosts
+from specjax.policy.monitor import AcceptanceMonitor, DecisionLog, Estimate, Sample
 from specjax.serving.slots import STOP_WIDTH, SlotEngine
 
 _ids = itertools.count(1)
@@ -224,7 +225,7 @@ class Scheduler:
             spec_on = {c: self.monitor.spec_on(c) for c in LATENCY_CLASSES}
             d = self.policy.choose(self.bucket, rows, queued, est, spec_on, (), self.k)
             # Probe and explore only where a good drafter would pay at this batch size, by a
-            # margin (probe_gain, see monitor.py): a probe runs every row at K > 0, and
+            # margin (probe_gain, see specjax/policy/monitor.py): a probe runs every row at K > 0, and
             # where the verify pass costs about what even a good drafter returns, the measurement
             # is better taken when the batch is smaller.
             good = Estimate(1.0, [self.cfg.monitor.probe_acceptance] * width, 0)

@@ -8,7 +8,7 @@ plain chunk says nothing about the drafter.
 From the window the monitor estimates, per class, the fraction f of row-steps that verified and
 the per-position acceptance a_i = P(draft i accepted | drafts < i accepted); the policy turns
 them into MAL(K) = 1 + f * sum_{j<=K} prod_{i<=j} a_i and, with the measured step costs, into
-the expected gain of K over plain decoding (policy.py). Fallback rules, per class:
+the expected gain of K over plain decoding (chunks.py). Fallback rules, per class:
 
 * on -> off when the window holds at least `min_steps` row-steps and the best expected gain over
   every K > 0 is below `off_below` (1.0: speculation would be slower than plain decoding). The

@@ -47,7 +47,8 @@ from __future__ import annotations
 import dataclasses
 
 from specjax.serving.config import ServingConfig
-from specjax.serving.monitor import Estimate
+from specjax.policy.costs import StepCosts
+from specjax.policy.monitor import Estimate
 
 
 @dataclasses.dataclass
@@ -56,106 +57,6 @@ class Decision:
     reason: str
     value: float = 0.0  # expected weighted tokens per second
     gain: float = 1.0  # expected gain over K = 0 for the batch
-
-
-class StepCosts:
-    """Seconds per step by batch bucket and K (verify steps for K > 0, plain steps for K = 0),
-    from a table (warm-up or config), scaled by live calibration (`observe`)."""
-
-    # Decay per observed chunk of the calibration sums (half-life ~ 23 chunks), and the prior's
-    # weight in predicted steps: a (bucket, K) is trusted after a few chunks, and recent chunks
-    # count most (the machine's load changes).
-    DECAY = 0.97
-    PRIOR_STEPS = 8.0
-
-    def __init__(self, table: dict[int, dict[int, float]], source: str):
-        if not table:
-            raise ValueError("empty step-cost table")
-        self.table = {int(b): {int(k): float(c) for k, c in row.items()} for b, row in table.items()}
-        self.source = source
-        # (bucket, K) -> [decayed observed seconds, decayed predicted seconds, decayed steps]
-        self._live: dict[tuple[int, int], list[float]] = {}
-        self._seen_at: dict[tuple[int, int], int] = {}  # (bucket, K) -> observation number
-        self.observations = 0
-
-    def _bucket(self, b: int) -> int:
-        buckets = sorted(self.table)
-        return next((x for x in buckets if x >= b), buckets[-1])
-
-    def base(self, b: int, k: int) -> float:
-        """The table's cost: the bucket that holds b rows (the largest one if none does); K
-        between measured values is interpolated linearly, beyond them extrapolated."""
-        row = self.table[self._bucket(b)]
-        if k in row:
-            return row[k]
-        ks = sorted(row)
-        lo = max([x for x in ks if x < k], default=None)
-        hi = min([x for x in ks if x > k], default=None)
-        if lo is None or hi is None:  # extrapolate
-            pair = ks[-2:] if hi is None else ks[:2]
-            if len(pair) < 2:
-                return row[ks[0]]
-            lo, hi = pair
-        slope = (row[hi] - row[lo]) / (hi - lo)
-        return max(row[lo] + slope * (k - lo), 1e-9)
-
-    def scale(self, b: int, k: int) -> float:
-        """Live calibration of (bucket, K): observed / predicted seconds, shrunk by a prior worth
-        PRIOR_STEPS steps towards what the bucket's nearest other run K says (K > 0 first for
-        K > 0), or towards 1 when nothing else ran there; K = 0, the reference every K is judged
-        against, is shrunk towards 1. A K never run at this bucket takes that neighbour's
-        calibration as it is. What the policy reads are ratios between K values at one bucket:
-        shrinking a briefly run K towards 1 while K = 0 is calibrated would skew them by however
-        far the machine has drifted since warm-up (one 4-step probe at 8 rows that measured K=3
-        at 2.6 plain steps left it looking cheaper than before it ran: about 2.1 plain steps
-        instead of the table's 2.4). Nothing run at the bucket: the table."""
-        bucket = self._bucket(b)
-        near = sorted((abs(kk - k) + (0.5 if k > 0 and kk == 0 else 0.0), kk)
-                      for (x, kk) in self._live if x == bucket and kk != k)
-        borrowed = self._shrunk(bucket, near[0][1], 1.0) if near else 1.0
-        if (bucket, k) not in self._live:
-            return borrowed
-        return self._shrunk(bucket, k, borrowed if k > 0 else 1.0)
-
-    def _shrunk(self, bucket: int, k: int, toward: float) -> float:
-        """Observed / predicted seconds of a (bucket, K) that ran, with PRIOR_STEPS steps at
-        `toward`."""
-        obs, pred, steps = self._live[(bucket, k)]
-        prior = self.PRIOR_STEPS * pred / max(steps, 1e-9)
-        return (obs + prior * toward) / (pred + prior)
-
-    def cost(self, b: int, k: int) -> float:
-        return self.base(b, k) * self.scale(b, k)
-
-    def effective(self, b: int, k: int, verified: float) -> float:
-        """Seconds per step at K when a fraction `verified` of the steps verify (the others are
-        plain steps of the K variant, calibrated with it)."""
-        if k == 0:
-            return self.cost(b, 0)
-        return (verified * self.base(b, k) + (1.0 - verified) * self.base(b, 0)) * self.scale(b, k)
-
-    def observe(self, b: int, k: int, seconds: float, steps: int, verify_steps: int) -> None:
-        """A chunk at (bucket b, K) took `seconds` for `steps` steps, `verify_steps` of which
-        verified: update that (bucket, K)'s calibration."""
-        if steps <= 0 or seconds <= 0:
-            return
-        v = min(max(verify_steps, 0), steps) if k else 0
-        predicted = v * self.base(b, k) + (steps - v) * self.base(b, 0)
-        sums = self._live.setdefault((self._bucket(b), k), [0.0, 0.0, 0.0])
-        for i, x in enumerate((seconds, predicted, float(steps))):
-            sums[i] = sums[i] * self.DECAY + x
-        self.observations += 1
-        self._seen_at[(self._bucket(b), k)] = self.observations
-
-    def stale(self, b: int, k: int, within: int) -> bool:
-        """(bucket, K) not observed in the last `within` observed chunks (or never)."""
-        seen = self._seen_at.get((self._bucket(b), k))
-        return seen is None or self.observations - seen >= within
-
-    def to_dict(self, live: bool = False) -> dict:
-        """{bucket: {K: seconds}}: the table, or (`live`) the calibrated costs."""
-        get = self.cost if live else self.base
-        return {str(b): {str(k): get(b, k) for k in sorted(row)} for b, row in sorted(self.table.items())}
 
 
 class Policy:

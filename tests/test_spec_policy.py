@@ -1,4 +1,4 @@
-"""The per-row speculation fallback (`--spec-policy auto`, specjax/row_policy.py): greedy output
+"""The per-row speculation fallback (`--spec-policy auto`, specjax/policy/rows.py): greedy output
 token-identical to plain decoding for every shipped drafter on the real default model; a drafter
 whose drafts are never accepted verifies on a few percent of steps; a well-accepted one keeps
 verifying; the policy's own rule on hand-made observations; the measured cost table and its cache.
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import row_policy
+from specjax.policy import costs as policy_costs
+from specjax.policy import rows as policy_rows
 from specjax.drafters import make_drafter
 from specjax.drafters.base import Drafter, Proposal
 from specjax.engine import Engine
@@ -56,7 +57,7 @@ def test_auto_policy_greedy_is_token_identical_to_plain(default_model, real, kin
     engine, ids, plain = real
     rows = engine.generate(ids, [SamplingParams(max_new_tokens=40)] * len(ids),
                            eos_ids=default_model.config.eos_token_ids, drafter=make_drafter(kind, k, default_model),
-                           spec_mode=row_policy.AUTO, costs=row_policy.cost_table(k, 2.0))
+                           spec_mode=policy_rows.AUTO, costs=policy_costs.cost_table(k, 2.0))
     for r, p in zip(rows, plain):
         assert r.token_ids == p.token_ids
         assert 0 <= r.checked[0] <= r.steps
@@ -66,9 +67,9 @@ def test_never_accepted_drafter_verifies_on_a_few_percent_of_steps():
     cfg = tiny(vocab_size=64, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
                max_position_embeddings=1024)
     engine = Engine(random_model(cfg, seed=0))
-    costs = row_policy.cost_table(4, 1.8)
+    costs = policy_costs.cost_table(4, 1.8)
     params = [SamplingParams(max_new_tokens=600, ignore_eos=True)] * 2
-    rows = engine.generate([[1, 2, 3], [4, 5]], params, drafter=RandomDrafter(4, 64), spec_mode=row_policy.AUTO,
+    rows = engine.generate([[1, 2, 3], [4, 5]], params, drafter=RandomDrafter(4, 64), spec_mode=policy_rows.AUTO,
                            costs=costs)
     always = engine.generate([[1, 2, 3], [4, 5]], params, drafter=RandomDrafter(4, 64))
     for r, a in zip(rows, always):
@@ -87,32 +88,69 @@ def test_well_accepted_drafter_keeps_verifying():
     params = [SamplingParams(max_new_tokens=64, ignore_eos=True)]
     ref = engine.generate([[1, 2]], params)[0].token_ids
     row = engine.generate([[1, 2]], params, drafter=DraftModelDrafter(3, target, target.config),
-                          spec_mode=row_policy.AUTO, costs=row_policy.cost_table(3, 2.5))[0]
+                          spec_mode=policy_rows.AUTO, costs=policy_costs.cost_table(3, 2.5))[0]
     assert row.token_ids == ref
     assert row.checked[0] == row.steps and sum(row.accepted) == sum(row.checked)
 
 
 def test_policy_rule_on_observations():
-    """Rejected probe -> waits 1, 2, 4, ... up to MAX_WAIT; a paying verify keeps it on; rows
-    whose drafter proposed nothing learn nothing; waiting rows count down only while live."""
+    """A rejected probe waits b, then 2b, ... steps (at most 2 * MAX_WAIT), resuming on a multiple
+    of its wait, so rows that wait as long probe together; a paying verify keeps a row on; a row
+    whose drafter proposed nothing learns nothing; a done row never verifies; a table under
+    which no width can pay never verifies."""
     b = 4
-    pol = row_policy.new_policy(b, row_policy.cost_table(4, 2.0), row_policy.AUTO)
+    pol = policy_rows.new_policy(b, policy_costs.cost_table(4, 2.0), policy_rows.AUTO)
     live = jnp.array([True, True, True, False])
-    on = row_policy.plan(pol, live)
+    steps = jnp.zeros(b, jnp.int32)
+    on = policy_rows.plan(pol, live, steps)
     assert on.tolist() == [True, True, True, False]
     width = jnp.array([4, 4, 0, 0])
-    pol = row_policy.update(pol, on, live, width, jnp.array([1, 4, 0, 0]), jnp.array([0, 4, 0, 0]))
-    assert pol.wait.tolist() == [1, 0, 0, 0] and pol.backoff.tolist() == [2, 1, 1, 1]
-    waits = []
-    for _ in range(40):
-        on = row_policy.plan(pol, live)
-        w = jnp.where(on, 4, 0)
-        pol = row_policy.update(pol, on, live, w, jnp.where(on, 1, 0), jnp.zeros(b, jnp.int32))
-        waits.append(int(pol.wait[0]) if bool(on[0]) else None)
-    probes = [x for x in waits if x is not None]
-    assert probes[:5] == [2, 4, 8, 16, 32] and max(probes) <= row_policy.MAX_WAIT
-    assert pol.wait[3] == 0  # a done row neither waits nor learns
-    assert row_policy.plan(pol.replace(mode=jnp.asarray(row_policy.ALWAYS)), live).tolist() == live.tolist()
+    pol = policy_rows.update(pol, on, steps, width, jnp.array([1, 4, 0, 0]), jnp.array([0, 4, 0, 0]))
+    assert pol.resume.tolist() == [2, 0, 0, 0] and pol.backoff.tolist() == [2, 1, 1, 1]
+    probes = [0]
+    for t in range(1, 700):
+        steps = jnp.full(b, t, jnp.int32)
+        on = policy_rows.plan(pol, live, steps)
+        if bool(on[0]):
+            probes.append(t)
+        pol = policy_rows.update(pol, on, steps, jnp.where(on, 4, 0), jnp.where(on, 1, 0), jnp.zeros(b, jnp.int32))
+    gaps = np.diff(probes)
+    assert probes[:6] == [0, 2, 6, 12, 24, 48], probes
+    assert np.all(np.diff(gaps) >= 0) and gaps.max() <= 2 * policy_rows.MAX_WAIT
+    assert all(p % min(2 ** i, policy_rows.MAX_WAIT) == 0 for i, p in enumerate(probes[1:]))
+    assert len(probes) / 700 < 0.02
+    assert not bool(on[3])  # a done row never verifies
+    assert policy_rows.plan(pol.replace(mode=jnp.asarray(policy_rows.ALWAYS)), live, steps).tolist() == live.tolist()
+    never = policy_rows.new_policy(b, policy_costs.cost_table(4, 5.5), policy_rows.AUTO)
+    assert not policy_rows.can_pay(policy_costs.cost_table(4, 5.5)) and policy_rows.can_pay(policy_costs.cost_table(4, 5.0))
+    assert not bool(jnp.any(policy_rows.plan(never, live, jnp.zeros(b, jnp.int32))))
+    forced = policy_rows.new_policy(b, policy_costs.cost_table(4, 5.5), policy_rows.FORCE)
+    assert policy_rows.plan(forced, live, jnp.zeros(b, jnp.int32)).tolist() == live.tolist()
+
+
+def test_skipping_proposals_leaves_every_decision_unchanged(default_model, real):
+    """On steps where no row may verify the engine skips the drafter's proposal; the drafter's
+    commit keeps its state current, so every later draft (and so each row's checks, accepts and
+    decisions) equals a run that proposed on every step. Greedy, the real model, every shipped
+    drafter."""
+    import copy
+
+    engine, ids, plain = real
+    params = [SamplingParams(max_new_tokens=40)] * len(ids)
+    for kind, k in [("ngram", 5), ("eagle3", 5), ("mtp", 3), ("draft", 4)]:
+        d = make_drafter(kind, k, default_model)
+        assert d.proposal_optional
+        always_proposes = copy.copy(d)
+        always_proposes.proposal_optional = False
+        table = policy_costs.cost_table(k, 2.0)
+        got = engine.generate(ids, params, eos_ids=default_model.config.eos_token_ids, drafter=d,
+                              spec_mode=policy_rows.AUTO, costs=table)
+        ref = engine.generate(ids, params, eos_ids=default_model.config.eos_token_ids, drafter=always_proposes,
+                              spec_mode=policy_rows.AUTO, costs=table)
+        for g, r, p in zip(got, ref, plain):
+            assert g.token_ids == r.token_ids == p.token_ids, kind
+            assert (g.steps, g.checked, g.accepted) == (r.steps, r.checked, r.accepted), kind
+        assert any(g.checked[0] < g.steps for g in got), kind  # some steps were plain (skipped)
 
 
 def test_generate_auto_measures_costs_once_and_caches_them_on_disk(default_model, real, tmp_path, monkeypatch):
@@ -121,7 +159,7 @@ def test_generate_auto_measures_costs_once_and_caches_them_on_disk(default_model
     still gives plain decoding's greedy text."""
     engine, ids, plain = real
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
-    monkeypatch.setattr(row_policy, "_COSTS", {})
+    monkeypatch.setattr(policy_costs, "_COSTS", {})
     out = specjax.generate(PROMPTS[:1], model=default_model, sampling=SamplingParams(max_new_tokens=40),
                            drafter="ngram", num_draft=4)
     assert out[0].token_ids == plain[0].token_ids
@@ -130,10 +168,10 @@ def test_generate_auto_measures_costs_once_and_caches_them_on_disk(default_model
     (key,) = stored
     assert default_model.name in key and "ngram" in key and "B1" in key
     assert 1.0 < stored[key] < 5.0  # a 5-token verify costs more than a plain step and less than five
-    monkeypatch.setattr(row_policy, "_COSTS", {})  # a new process: only the file remains
+    monkeypatch.setattr(policy_costs, "_COSTS", {})  # a new process: only the file remains
     monkeypatch.setattr(engine, "generate", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured again")))
     drafter = make_drafter("ngram", 4, default_model)
-    table = row_policy.measure_costs(engine, ids[:1], [SamplingParams(max_new_tokens=40)],
+    table = policy_costs.measure_costs(engine, ids[:1], [SamplingParams(max_new_tokens=40)],
                                      default_model.config.eos_token_ids, drafter, "ngram")
     assert table.shape == (5,) and table[0] == 1.0 and table[-1] == pytest.approx(stored[key])
     assert np.all(np.diff(table) >= 0)
