@@ -440,10 +440,12 @@ def batch_of_line(model, inp: str) -> dict:
 
 def test_auto_policy_records_cost_tables_and_resume_reuses_them(model, job_input, reference, tmp_path):
     """`auto` (the default with a drafter): each class of batch (rows, greedy/sampled) gets one
-    measured cost table, written to OUTPUT.policy.json and used by every batch of the class;
-    greedy rows equal plain decoding. A rerun reads the recorded tables instead of measuring:
-    lost sampled rows come back bit for bit, and a greedy class whose table is replaced by one
-    under which no verify pays reruns its lost rows without verifying once."""
+    measured cost table and acceptance, written to OUTPUT.policy.json and used by every batch of
+    the class (speculating per row, or plain decoding where the acceptance does not pay); greedy
+    rows equal plain decoding. A rerun reads the recorded figures instead of measuring: lost
+    sampled rows come back bit for bit, and a greedy class whose figures are replaced by ones under
+    which the rows speculate but no verify pays reruns its lost rows with the drafter, verifying
+    not once."""
     from specjax.serving.batch import run_batch
 
     out = tmp_path / "res.jsonl"
@@ -455,15 +457,18 @@ def test_auto_policy_records_cost_tables_and_resume_reuses_them(model, job_input
     assert set(state["classes"]) == {"4/greedy", "4/sampled"}
     for entry in state["classes"].values():
         assert len(entry["costs"]) == 4 and entry["costs"][0] == 1.0 and entry["batches"] >= 1
+        assert 0.0 <= entry["acceptance"] <= 1.0
     assert_same(first, reference, list(reference), greedy_only=True)  # lossless
     for cls, entry in summary["speculation"].items():
         assert 0.0 <= entry["verified_share"] <= 1.0 and entry["verify_cost"] >= 1.0, cls
-    assert all(r["stats"]["spec_policy"] == "auto" and r["stats"]["num_draft"] == 3 for r in first)
+    sampled_ids = {r["id"] for r in job_rows() if "temperature" in r}
+    for r in first:
+        on = state["classes"]["4/sampled" if r["id"] in sampled_ids else "4/greedy"]["speculates"]
+        assert (r["stats"]["num_draft"], r["stats"]["spec_policy"]) == ((3, "auto") if on else (0, "always")), r["id"]
 
     key_of = batch_of_line(model, job_input)
-    sampled_ids = {r["id"] for r in job_rows() if "temperature" in r}
     lost_greedy = min({key_of[r["id"]] for r in first if r["id"] not in sampled_ids}, key=int)
-    state["classes"]["4/greedy"]["costs"] = [1.0, 9.0, 9.0, 9.0]  # no width can pay
+    state["classes"]["4/greedy"].update(costs=[1.0, 9.0, 9.0, 9.0], speculates=True)  # no width pays per row
     with open(state_path, "w") as fh:
         json.dump(state, fh)
     lost = {r["id"] for r in first if r["id"] in sampled_ids or key_of[r["id"]] == lost_greedy}
@@ -478,7 +483,7 @@ def test_auto_policy_records_cost_tables_and_resume_reuses_them(model, job_input
             assert rows[i]["token_ids"] == before[i]["token_ids"], i
             assert rows[i]["stats"]["verified_steps"] == before[i]["stats"]["verified_steps"], i
         else:
-            assert rows[i]["stats"]["verified_steps"] == 0, i
+            assert rows[i]["stats"]["verified_steps"] == 0 and rows[i]["stats"]["num_draft"] == 3, i
     assert_same(list(rows.values()), reference, list(reference), greedy_only=True)
     with open(state_path) as fh:
         assert json.load(fh)["classes"]["4/greedy"]["costs"] == [1.0, 9.0, 9.0, 9.0]  # not measured again
@@ -507,32 +512,39 @@ def test_static_policy_by_batch_rows(model, greedy_input, reference, tmp_path, p
 
 
 def test_batch_policy_state_file(tmp_path):
-    """A class's table is measured once and recorded before use; the file reloads to the same
-    tables; another drafter or K ignores it; a failed measurement records nothing; a corrupt
-    file is a one-line error; bad settings are one-line errors."""
+    """A class's figures are measured once and recorded before use; a class speculates only
+    where its acceptance pays for some width; the file reloads to the same decisions; another
+    drafter or K ignores it; a failed measurement records nothing; a corrupt file is a one-line
+    error; bad settings are one-line errors."""
     from specjax.errors import SpecjaxError
-    from specjax.policy.batch import BatchPolicy, parse_policy
+    from specjax.policy.batch import BatchPolicy, parse_policy, pays
 
+    assert pays([1.0, 1.2, 1.4, 1.6], 0.5) and not pays([1.0, 1.6, 2.2, 2.8], 0.5) and pays([1.0, 1.6, 2.2, 2.8], 0.9)
     path = str(tmp_path / "out.jsonl.policy.json")
     calls = []
 
-    def measure():
+    def measure(table, acceptance):
         calls.append(1)
-        return [1.0, 1.2, 1.4, 1.6]
+        return table, acceptance
 
     p = BatchPolicy("auto", 3, "ngram", path)
-    assert p.costs_for(4, False, lambda: None) is None and not os.path.exists(path)
-    assert p.costs_for(4, True, measure) == [1.0, 1.2, 1.4, 1.6] and os.path.exists(path)
-    assert p.costs_for(4, True, measure) == [1.0, 1.2, 1.4, 1.6] and len(calls) == 1
+    assert p.plan(4, False, lambda: None) == (True, None) and not os.path.exists(path)
+    cheap, dear = [1.0, 1.2, 1.4, 1.6], [1.0, 1.6, 2.2, 2.8]
+    assert p.plan(4, True, lambda: measure(cheap, 0.5)) == (True, cheap) and os.path.exists(path)
+    assert p.plan(4, True, lambda: measure(cheap, 0.5)) == (True, cheap) and len(calls) == 1
+    assert p.plan(8, True, lambda: measure(dear, 0.5)) == (False, None) and len(calls) == 2
     p.record(4, True, steps=100, verified_steps=25)
-    assert p.summary() == {"4/greedy": {"batches": 1, "verify_cost": 1.6, "verified_share": 0.25}}
-    assert "1.60 plain steps" in p.describe(4, True)
+    assert p.summary()["4/greedy"] == {"batches": 1, "verify_cost": 1.6, "acceptance": 0.5, "speculates": True,
+                                       "verified_share": 0.25}
+    assert "1.60 plain steps" in p.describe(4, True) and "plain decoding" in p.describe(8, True)
     again = BatchPolicy("auto", 3, "ngram", path)
-    assert again.costs_for(4, True, measure) == [1.0, 1.2, 1.4, 1.6] and len(calls) == 1
+    assert again.plan(4, True, lambda: measure(dear, 0.1)) == (True, cheap) and len(calls) == 2
+    assert again.plan(8, True, lambda: measure(cheap, 0.9)) == (False, None) and len(calls) == 2
     assert BatchPolicy("auto", 5, "ngram", path).classes == {}
     assert BatchPolicy("auto", 3, "eagle3", path).classes == {}
-    assert BatchPolicy("always", 3, "ngram", path).costs_for(4, True, measure) is None
-    assert not BatchPolicy(2, 3, "ngram", None).speculates(4) and BatchPolicy(4, 3, "ngram", None).speculates(4)
+    assert BatchPolicy("always", 3, "ngram", path).plan(4, True, lambda: measure(cheap, 0.5)) == (True, None)
+    assert BatchPolicy(2, 3, "ngram", None).plan(4, True, None) == (False, None)
+    assert BatchPolicy(4, 3, "ngram", None).plan(4, True, None) == (True, None)
     with open(path, "w") as fh:
         fh.write("{not json")
     with pytest.raises(SpecjaxError, match="unreadable speculation state"):

@@ -2,14 +2,17 @@
 
 Settings:
 
-* `auto` (default): the per-row rule of rows.py in every batch. Its cost table is measured once
-  per batch class (padded rows; greedy or sampled) on the class's first batch, with its own rows
-  and shapes (costs.measure_costs), and written to `OUT.policy.json` before that batch writes a
-  row. A rerun after a kill reads the file, so every batch runs with the table it ran with
-  before, and the rule reads nothing else but the tokens the rows emit: resumed rows equal
-  uninterrupted ones bit for bit, sampled rows too. On a CPU a verify pass costs up to K + 1
-  plain steps at 32 rows, and a table under which no width can pay never verifies (and skips
-  the drafter's work).
+* `auto` (default): once per batch class (padded rows; greedy or sampled), on the class's first
+  batch with its own rows and shapes, measure the cost table (costs.measure_costs) and the
+  drafter's acceptance `a` with every row verifying all K; write both to `OUT.policy.json`
+  before that batch writes a row. A class speculates only if a row accepting at rate `a` would
+  pay for some width (1 + a + ... + a^L >= costs[L]); its rows then follow the per-row rule of
+  rows.py; otherwise they decode plainly, without the drafter. A verify pass is paid by the whole
+  batch, so where the average row does not pay, a few rows that do cannot carry it: on this CPU
+  at 32 rows a verify of K = 5 costs 3.8 plain steps, and EAGLE-3 rows deciding alone decoded at
+  0.41x plain. A rerun after a kill reads the file, so every batch makes the same decisions (the
+  per-row rule reads nothing else but the tokens the rows emit): resumed rows equal
+  uninterrupted ones bit for bit, sampled rows too.
 * `always`: every row verifies whatever the drafter proposes, however large the batch.
 * N >= 0: `always` in batches of at most N rows, plain decoding above (vLLM's disable by batch
   size); 0 never speculates.
@@ -23,9 +26,11 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
+
 from specjax.errors import SpecjaxError
 
-FILE_VERSION = 2
+FILE_VERSION = 3
 
 
 def parse_policy(value) -> str | int:
@@ -45,6 +50,15 @@ def parse_policy(value) -> str | int:
     return n
 
 
+def pays(costs: list[float], acceptance: float) -> bool:
+    """Whether a row accepting each draft at rate `acceptance` gains from some verify width."""
+    from specjax.policy.rows import expected_tokens
+
+    widths = np.arange(1, len(costs))
+    expected = np.asarray(expected_tokens(np.full(len(widths), acceptance, np.float32), widths))
+    return bool(len(widths)) and bool(np.any(expected >= np.asarray(costs[1:])))
+
+
 def class_key(size: int, greedy: bool) -> str:
     return f"{size}/{'greedy' if greedy else 'sampled'}"
 
@@ -57,7 +71,8 @@ class BatchPolicy:
         self.k = num_draft
         self.drafter = drafter
         self.path = path if self.policy == "auto" and num_draft > 0 else None
-        self.classes: dict[str, dict] = {}  # class -> {"costs": [K + 1], "batches", "steps", "verified_steps"}
+        # class -> {"costs": [K + 1], "acceptance", "speculates", "batches", "steps", "verified_steps"}
+        self.classes: dict[str, dict] = {}
         if self.path and os.path.exists(self.path):
             self._load()
 
@@ -75,6 +90,7 @@ class BatchPolicy:
         classes = state.get("classes")
         if not isinstance(classes, dict) or not all(
                 isinstance(c, dict) and isinstance(c.get("costs"), list) and len(c["costs"]) == self.k + 1
+                and isinstance(c.get("speculates"), bool)
                 for c in classes.values()):
             raise SpecjaxError(f"{self.path}: malformed speculation state; delete it to measure the step costs again")
         self.classes = classes
@@ -86,26 +102,31 @@ class BatchPolicy:
         write_atomic(self.path, (json.dumps(state, indent=1) + "\n").encode())
 
     def speculates(self, size: int) -> bool:
-        """Whether batches of `size` rows run the drafter at all."""
+        """Whether the settings let batches of `size` rows run the drafter at all."""
         if self.k == 0:
             return False
         return size <= self.policy if isinstance(self.policy, int) else True
 
-    def costs_for(self, size: int, greedy: bool, measure) -> list[float] | None:
-        """The cost table batches of this class decide with (None: verify whatever the drafter
-        proposes). Under `auto`, the recorded one, else `measure()`'s (a [K + 1] sequence, or
-        None when it could not measure: nothing is recorded), recorded before it is used."""
+    def plan(self, size: int, greedy: bool, measure) -> tuple[bool, list[float] | None]:
+        """(run the drafter, cost table the rows decide with; None: verify whatever the drafter
+        proposes) for a batch of this class. Under `auto` from the recorded figures, else from
+        `measure()`'s (cost table [K + 1], acceptance), recorded before they are used; a failed
+        measurement (None) records nothing and the batch verifies every step."""
+        if not self.speculates(size):
+            return False, None
         if self.path is None:
-            return None
+            return True, None
         cls = class_key(size, greedy)
         if cls not in self.classes:
-            table = measure()
-            if table is None:
-                return None
-            table = [float(x) for x in table]
-            self.classes[cls] = {"costs": table, "batches": 0, "steps": 0, "verified_steps": 0}
+            got = measure()
+            if got is None:
+                return True, None
+            table, acceptance = [float(x) for x in got[0]], float(got[1])
+            self.classes[cls] = {"costs": table, "acceptance": acceptance, "speculates": pays(table, acceptance),
+                                 "batches": 0, "steps": 0, "verified_steps": 0}
             self._save()
-        return self.classes[cls]["costs"]
+        entry = self.classes[cls]
+        return entry["speculates"], entry["costs"] if entry["speculates"] else None
 
     def record(self, size: int, greedy: bool, steps: int, verified_steps: int) -> None:
         """A batch of this class ran: its rows' steps and verify steps (call before writing its rows)."""
@@ -120,7 +141,8 @@ class BatchPolicy:
     def summary(self) -> dict:
         """Per class: batches, the verify step's cost at K in plain steps, and the share of
         steps that verified."""
-        return {cls: {"batches": e["batches"], "verify_cost": e["costs"][-1],
+        return {cls: {"batches": e["batches"], "verify_cost": e["costs"][-1], "acceptance": e["acceptance"],
+                      "speculates": e["speculates"],
                       "verified_share": e["verified_steps"] / e["steps"] if e["steps"] else None}
                 for cls, e in sorted(self.classes.items(), key=lambda x: (int(x[0].split("/")[0]), x[0]))}
 
@@ -131,6 +153,9 @@ class BatchPolicy:
         entry = self.classes.get(class_key(size, greedy)) if self.path else None
         if entry is None:
             return f"{mode} batches of {size} rows: K={self.k}, every step verifies (--spec-policy {self.policy})"
-        c = entry["costs"][-1]
+        c, a = entry["costs"][-1], entry["acceptance"]
+        if not entry["speculates"]:
+            return (f"{mode} batches of {size} rows: plain decoding (acceptance {a:.2f} on the first batch does not "
+                    f"pay for a verify step at {c:.2f} plain steps)")
         return (f"{mode} batches of {size} rows: K={self.k}, each row verifies while its acceptance pays for a "
-                f"verify step at {c:.2f} plain steps" + ("" if c <= self.k + 1 else " (never, at this cost)"))
+                f"verify step at {c:.2f} plain steps (acceptance {a:.2f} on the first batch)")

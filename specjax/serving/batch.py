@@ -418,9 +418,7 @@ def run_batch(cfg: BatchConfig) -> dict:
             # result an uninterrupted run gives it (with the cost table it ran with,
             # specjax/policy/batch.py); only the missing rows are written.
             greedy = batch[0].sampling.greedy
-            spec = policy.speculates(size)
-            costs = policy.costs_for(size, greedy, lambda: measure_class(batch, size, model, mesh, drafter, cfg)) \
-                if spec else None
+            spec, costs = policy.plan(size, greedy, lambda: measure_class(batch, size, model, mesh, drafter, cfg))
             if (size, greedy) not in told:
                 log(policy.describe(size, greedy))
                 told.add((size, greedy))
@@ -461,18 +459,26 @@ def run_batch(cfg: BatchConfig) -> dict:
     return summary
 
 
-def measure_class(batch, size, model, mesh, drafter, cfg) -> list[float] | None:
-    """The cost table of a batch class under `--spec-policy auto`: the decode loop timed on this
-    batch's own rows and shapes (specjax/policy/costs.py; cached per model, drafter and bucket).
-    None when the batch cannot run whole (a bad row, out of device memory): the batch then runs
-    as `generate_batch` splits it, verifying every step, and the class's next batch measures."""
+def measure_class(batch, size, model, mesh, drafter, cfg) -> tuple[list[float], float] | None:
+    """What `--spec-policy auto` decides a batch class with: the cost table (the decode loop timed
+    on this batch's own rows and shapes, specjax/policy/costs.py; cached per model, drafter and
+    bucket) and the drafter's acceptance on these rows (`PROBE_TOKENS` tokens each, every row
+    verifying all K). None when the batch cannot run whole (a bad row, out of device memory):
+    the batch then runs as `generate_batch` splits it, verifying every step, and the class's next
+    batch measures."""
     from specjax.generate import drafter_label, get_engine
-    from specjax.policy.costs import measure_costs
+    from specjax.policy.costs import PROBE_TOKENS, measure_costs
+    from specjax.policy.rows import FORCE
 
     ids, params = batch_inputs(batch, size)
+    engine = get_engine(model, mesh)
     try:
-        return measure_costs(get_engine(model, mesh), ids, params, model.config.eos_token_ids, drafter,
-                             drafter_label(cfg.drafter, drafter)).tolist()
+        table = measure_costs(engine, ids, params, model.config.eos_token_ids, drafter,
+                              drafter_label(cfg.drafter, drafter)).tolist()
+        rows = engine.generate(ids, params, eos_ids=model.config.eos_token_ids, drafter=drafter,
+                               max_new_cap=PROBE_TOKENS, spec_mode=FORCE)[: len(batch)]
+        checked = sum(sum(r.checked) for r in rows)
+        return table, (sum(sum(r.accepted) for r in rows) / checked if checked else 0.0)
     except SpecjaxError:
         return None
     except Exception as e:
