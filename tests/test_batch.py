@@ -440,8 +440,8 @@ def batch_of_line(model, inp: str) -> dict:
 
 def test_auto_policy_records_cost_tables_and_resume_reuses_them(model, job_input, reference, tmp_path):
     """`auto` (the default with a drafter): each class of batch (rows, greedy/sampled) gets one
-    measured cost table and acceptance, written to OUTPUT.policy.json and used by every batch of
-    the class (speculating per row, or plain decoding where the acceptance does not pay); greedy
+    measured cost table and gain, written to OUTPUT.policy.json and used by every batch of
+    the class (speculating per row, or plain decoding where the drafter did not gain); greedy
     rows equal plain decoding. A rerun reads the recorded figures instead of measuring: lost
     sampled rows come back bit for bit, and a greedy class whose figures are replaced by ones under
     which the rows speculate but no verify pays reruns its lost rows with the drafter, verifying
@@ -457,7 +457,7 @@ def test_auto_policy_records_cost_tables_and_resume_reuses_them(model, job_input
     assert set(state["classes"]) == {"4/greedy", "4/sampled"}
     for entry in state["classes"].values():
         assert len(entry["costs"]) == 4 and entry["costs"][0] == 1.0 and entry["batches"] >= 1
-        assert 0.0 <= entry["acceptance"] <= 1.0
+        assert entry["gain"] > 0.0 and entry["speculates"] == (entry["gain"] >= 1.05)
     assert_same(first, reference, list(reference), greedy_only=True)  # lossless
     for cls, entry in summary["speculation"].items():
         assert 0.0 <= entry["verified_share"] <= 1.0 and entry["verify_cost"] >= 1.0, cls
@@ -513,36 +513,34 @@ def test_static_policy_by_batch_rows(model, greedy_input, reference, tmp_path, p
 
 def test_batch_policy_state_file(tmp_path):
     """A class's figures are measured once and recorded before use; a class speculates only
-    where its acceptance pays for some width; the file reloads to the same decisions; another
+    on a measured gain of at least 1.05; the file reloads to the same decisions; another
     drafter or K ignores it; a failed measurement records nothing; a corrupt file is a one-line
     error; bad settings are one-line errors."""
     from specjax.errors import SpecjaxError
-    from specjax.policy.batch import BatchPolicy, parse_policy, pays
-
-    assert pays([1.0, 1.2, 1.4, 1.6], 0.5) and not pays([1.0, 1.6, 2.2, 2.8], 0.5) and pays([1.0, 1.6, 2.2, 2.8], 0.9)
+    from specjax.policy.batch import BatchPolicy, parse_policy
     path = str(tmp_path / "out.jsonl.policy.json")
     calls = []
 
-    def measure(table, acceptance):
+    def measure(table, gain):
         calls.append(1)
-        return table, acceptance
+        return table, gain
 
     p = BatchPolicy("auto", 3, "ngram", path)
     assert p.plan(4, False, lambda: None) == (True, None) and not os.path.exists(path)
     cheap, dear = [1.0, 1.2, 1.4, 1.6], [1.0, 1.6, 2.2, 2.8]
-    assert p.plan(4, True, lambda: measure(cheap, 0.5)) == (True, cheap) and os.path.exists(path)
+    assert p.plan(4, True, lambda: measure(cheap, 1.3)) == (True, cheap) and os.path.exists(path)
     assert p.plan(4, True, lambda: measure(cheap, 0.5)) == (True, cheap) and len(calls) == 1
-    assert p.plan(8, True, lambda: measure(dear, 0.5)) == (False, None) and len(calls) == 2
+    assert p.plan(8, True, lambda: measure(dear, 1.02)) == (False, None) and len(calls) == 2
     p.record(4, True, steps=100, verified_steps=25)
-    assert p.summary()["4/greedy"] == {"batches": 1, "verify_cost": 1.6, "acceptance": 0.5, "speculates": True,
+    assert p.summary()["4/greedy"] == {"batches": 1, "verify_cost": 1.6, "gain": 1.3, "speculates": True,
                                        "verified_share": 0.25}
     assert "1.60 plain steps" in p.describe(4, True) and "plain decoding" in p.describe(8, True)
     again = BatchPolicy("auto", 3, "ngram", path)
     assert again.plan(4, True, lambda: measure(dear, 0.1)) == (True, cheap) and len(calls) == 2
-    assert again.plan(8, True, lambda: measure(cheap, 0.9)) == (False, None) and len(calls) == 2
+    assert again.plan(8, True, lambda: measure(cheap, 2.0)) == (False, None) and len(calls) == 2
     assert BatchPolicy("auto", 5, "ngram", path).classes == {}
     assert BatchPolicy("auto", 3, "eagle3", path).classes == {}
-    assert BatchPolicy("always", 3, "ngram", path).plan(4, True, lambda: measure(cheap, 0.5)) == (True, None)
+    assert BatchPolicy("always", 3, "ngram", path).plan(4, True, lambda: measure(cheap, 1.3)) == (True, None)
     assert BatchPolicy(2, 3, "ngram", None).plan(4, True, None) == (False, None)
     assert BatchPolicy(4, 3, "ngram", None).plan(4, True, None) == (True, None)
     with open(path, "w") as fh:
@@ -623,6 +621,27 @@ def test_suite_input_rows(tmp_path):
     rows = read_rows(path)
     assert [r["id"] for r in rows] == ["mtbench-0", "mtbench-1", "mtbench-2"]
     assert all(r["messages"][0]["role"] == "user" for r in rows)
+
+
+def test_raw_rows_and_the_humaneval_raw_suite(model, tmp_path):
+    """`"raw": true` tokenizes a prompt string without the chat template (as --raw does for all
+    rows); `--suite humaneval-raw` makes such rows (it gave 16 bad rows before); a non-boolean
+    raw or a raw chat-message row is a bad row."""
+    from specjax.generate import encode_prompt
+    from specjax.sampling import SamplingParams
+    from specjax.serving.batch import BadRow, BatchConfig, parse_input, read_input, tokenize
+
+    lines = read_input(BatchConfig(output="", suite="humaneval-raw", limit=2))
+    parsed = parse_input(lines, SamplingParams(max_new_tokens=MAX_NEW), {})
+    assert all(json.loads(raw)["raw"] is True for _, raw in lines)
+    for r in parsed:
+        row = tokenize(model, r, False)
+        assert not isinstance(row, BadRow), row
+        assert row.token_ids == encode_prompt(model, str(r.prompt), raw=True) != encode_prompt(model, str(r.prompt))
+    bad = [(1, b'{"id": 1, "prompt": "x", "raw": "yes"}'), (2, b'{"id": 2, "messages": [{"role": "user", '
+                                                              b'"content": "x"}], "raw": true}')]
+    for r in parse_input(bad, SamplingParams(), {}):
+        assert isinstance(r, BadRow) and "'raw'" in r.reason, r
 
 
 def test_batches_are_padded_to_their_own_power_of_two():

@@ -1,7 +1,8 @@
 """Batch jobs (`specjax batch`): a JSONL file of prompts in, a JSONL file of results out.
 
-Input rows are `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`, optionally
-with their own `temperature`, `top_k`, `top_p`, `max_new_tokens` (or OpenAI's `max_tokens`), `seed`
+Input rows are `{"id": ..., "prompt": "..."}` (`"raw": true`: no chat template for this prompt,
+as `--raw` does for every row) or `{"id": ..., "messages": [...]}`, optionally with their own
+`temperature`, `top_k`, `top_p`, `max_new_tokens` (or OpenAI's `max_tokens`), `seed`
 (the CLI flags give the defaults; a row without a seed gets one derived from the job's `--seed`
 and its input line, so rows with one prompt still differ and a rerun draws the same); other
 fields are ignored, and the job names them once on stderr. Output rows are `{"id", "line", "text", "token_ids", "finish_reason", "stats"}`, the
@@ -58,7 +59,7 @@ from specjax.serving.batch_files import (ResultsFile, check_job_settings, check_
 from specjax.policy.batch import BatchPolicy
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "max_new_tokens", "seed")
-ROW_FIELDS = {"id", "prompt", "messages", "max_tokens", *SAMPLING_FIELDS}  # what a row may carry
+ROW_FIELDS = {"id", "prompt", "messages", "raw", "max_tokens", *SAMPLING_FIELDS}  # what a row may carry
 LATENCY_BATCH_SIZE = {"batch": 16, "interactive": 1}  # default --batch-size per latency class
 
 
@@ -112,7 +113,7 @@ def read_input(cfg: BatchConfig) -> list[tuple[int, bytes]]:
         from specjax import datasets
 
         rows = datasets.load_suite(cfg.suite, cfg.limit)
-        return [(i + 1, json.dumps({"id": f"{cfg.suite}-{i}", "messages": m}).encode()) for i, m in enumerate(rows)]
+        return [(i + 1, json.dumps({"id": f"{cfg.suite}-{i}", **suite_row(m)}).encode()) for i, m in enumerate(rows)]
     try:
         with open(cfg.input, "rb") as fh:
             data = fh.read()
@@ -120,6 +121,14 @@ def read_input(cfg: BatchConfig) -> list[tuple[int, bytes]]:
         raise SpecjaxError(f"{cfg.input}: {e.strerror or e}") from None
     lines = [(i, line) for i, line in enumerate(data.split(b"\n"), 1) if line.strip()]
     return lines[: cfg.limit] if cfg.limit else lines
+
+
+def suite_row(prompt) -> dict:
+    """The batch-input fields of one suite prompt: chat messages, or completion text
+    (`datasets.RawText`, e.g. humaneval-raw) as a raw prompt."""
+    from specjax.datasets import RawText
+
+    return {"prompt": str(prompt), "raw": True} if isinstance(prompt, RawText) else {"messages": prompt}
 
 
 def write_suite_jsonl(suite: str, path: str, limit: int | None = None) -> int:
@@ -165,10 +174,16 @@ def parse_row(line: int, raw: bytes, defaults, ignored: dict[str, int] | None = 
     has_p, has_m = "prompt" in obj, "messages" in obj
     if has_p and has_m:
         return BadRow(line, rid, "give either 'prompt' or 'messages', not both")
+    if "raw" in obj and (not isinstance(obj["raw"], bool) or (obj["raw"] and not has_p)):
+        return BadRow(line, rid, "'raw' must be true or false, and only with a 'prompt' string")
     if has_p:
         prompt = obj["prompt"]
         if not isinstance(prompt, str) or not prompt.strip():
             return BadRow(line, rid, "'prompt' must be a non-empty string")
+        if obj.get("raw"):
+            from specjax.datasets import RawText
+
+            prompt = RawText(prompt)  # encode_prompt: no chat template
     elif has_m:
         prompt = obj["messages"]
         if not isinstance(prompt, list) or not prompt or not all(
@@ -462,23 +477,25 @@ def run_batch(cfg: BatchConfig) -> dict:
 def measure_class(batch, size, model, mesh, drafter, cfg) -> tuple[list[float], float] | None:
     """What `--spec-policy auto` decides a batch class with: the cost table (the decode loop timed
     on this batch's own rows and shapes, specjax/policy/costs.py; cached per model, drafter and
-    bucket) and the drafter's acceptance on these rows (`PROBE_TOKENS` tokens each, every row
-    verifying all K). None when the batch cannot run whole (a bad row, out of device memory):
-    the batch then runs as `generate_batch` splits it, verifying every step, and the class's next
-    batch measures."""
+    bucket) and the gain: tokens per decode second of the drafter as it drafts over plain
+    decoding's, on these rows (`PROBE_TOKENS` tokens each; each run once untimed first). None when
+    the batch cannot run whole (a bad row, out of device memory): the batch then runs as
+    `generate_batch` splits it, verifying every step, and the class's next batch measures."""
     from specjax.generate import drafter_label, get_engine
     from specjax.policy.costs import PROBE_TOKENS, measure_costs
-    from specjax.policy.rows import FORCE
+    from specjax.drafters import NoDrafter
 
     ids, params = batch_inputs(batch, size)
     engine = get_engine(model, mesh)
     try:
         table = measure_costs(engine, ids, params, model.config.eos_token_ids, drafter,
                               drafter_label(cfg.drafter, drafter)).tolist()
-        rows = engine.generate(ids, params, eos_ids=model.config.eos_token_ids, drafter=drafter,
-                               max_new_cap=PROBE_TOKENS, spec_mode=FORCE)[: len(batch)]
-        checked = sum(sum(r.checked) for r in rows)
-        return table, (sum(sum(r.accepted) for r in rows) / checked if checked else 0.0)
+        def rate(d):
+            rows = [engine.generate(ids, params, eos_ids=model.config.eos_token_ids, drafter=d,
+                                    max_new_cap=PROBE_TOKENS)[: len(batch)] for _ in range(2)][-1]
+            return sum(len(r.token_ids) - 1 for r in rows) / max(rows[0].decode_seconds, 1e-9)
+
+        return table, rate(drafter) / rate(NoDrafter())
     except SpecjaxError:
         return None
     except Exception as e:
