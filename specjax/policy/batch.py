@@ -11,9 +11,10 @@ Settings:
   decode plainly, without the drafter. A verify pass is paid by the whole batch, and the per-row
   rule prices a row's verify as if its batch-mates gained as much, so where the batch as a whole
   does not gain, a few rows that do cannot carry it: on this CPU rows deciding alone made
-  EAGLE-3 at 32 rows decode at 0.41x plain and the n-gram drafter (K = 15) at 8 rows at 0.5x. A rerun after a kill reads the file, so every batch makes the same decisions (the
-  per-row rule reads nothing else but the tokens the rows emit): resumed rows equal
-  uninterrupted ones bit for bit, sampled rows too.
+  EAGLE-3 at 32 rows decode at 0.41x plain and the n-gram drafter (K = 15) at 8 rows at 0.5x.
+  A rerun after a kill reads the file, so every batch makes the same decisions (the per-row
+  rule reads nothing else but the tokens the rows emit): resumed rows equal uninterrupted ones
+  bit for bit, sampled rows too.
 * `always`: every row verifies whatever the drafter proposes, however large the batch.
 * N >= 0: `always` in batches of at most N rows, plain decoding above (vLLM's disable by batch
   size); 0 never speculates.
@@ -130,8 +131,8 @@ class BatchPolicy:
         self._save()
 
     def summary(self) -> dict:
-        """Per class: batches, the verify step's cost at K in plain steps, and the share of
-        steps that verified."""
+        """Per class: batches, the verify step's cost at K in plain steps, the measured gain,
+        whether the class speculates, and the share of steps that verified."""
         return {cls: {"batches": e["batches"], "verify_cost": e["costs"][-1], "gain": e["gain"],
                       "speculates": e["speculates"],
                       "verified_share": e["verified_steps"] / e["steps"] if e["steps"] else None}
@@ -146,6 +147,7 @@ class BatchPolicy:
             return f"{mode} batches of {size} rows: K={self.k}, every step verifies (--spec-policy {self.policy})"
         c, g = entry["costs"][-1], entry["gain"]
         if not entry["speculates"]:
-            return f"{mode} batches of {size} rows: plain decoding (the drafter ran at {g:.2f}x plain on the first batch)"
+            return (f"{mode} batches of {size} rows: plain decoding (the drafter ran at {g:.2f}x plain on the first "
+                    "batch)")
         return (f"{mode} batches of {size} rows: K={self.k} (the drafter ran at {g:.2f}x plain on the first batch); "
                 f"each row verifies while its acceptance pays for a verify step at {c:.2f} plain steps")

@@ -11,7 +11,8 @@ Probes fall on multiples of the row's wait counted in its own steps, so rows of 
 wait as long probe on the same step: a verify pass is paid by the whole batch, and one row
 probing alone on each step would make most steps wide. A table under which no width can pay even
 when every draft is accepted (costs[L] > L + 1 for every L, e.g. a large batch on a CPU) never
-verifies at all, and the engine then skips the drafter's proposal too (`any_on`).
+verifies at all. On a step where no row may verify, the engine (`decode_step`) skips the
+drafter's proposal too.
 
 The state rides in `LoopState.policy` (specjax/engine.py); the engine calls `plan` before drafting
 (which rows may verify) and `update` after acceptance. Costs come from costs.py.

@@ -18,8 +18,8 @@ nothing:
   batch with some rows done is run whole again and only its missing rows are written. Every row
   is therefore computed in the same batch, with the same shapes and seed, as in an uninterrupted
   run: resumed outputs equal uninterrupted ones bit for bit, sampled rows too.
-  How a batch speculates (`--spec-policy`, specjax/policy/batch.py: the per-row rule's cost table)
-  is recorded before it runs and reused when it runs again;
+  How a batch speculates (`--spec-policy`, specjax/policy/batch.py: its class's measured gain and
+  cost table) is recorded before it runs and reused when it runs again;
 * what gives the results their meaning (model, dtype, sampling defaults, job seed, chat
   template) is recorded in `OUTPUT.job.json`, and a rerun with other values is refused rather
   than mixing two jobs in one file. The drafter, K and batch size may change between runs:
@@ -132,7 +132,8 @@ def suite_row(prompt) -> dict:
 
 
 def write_suite_jsonl(suite: str, path: str, limit: int | None = None) -> int:
-    """Write a packaged suite as batch input (`{"id", "messages"}` rows); returns the row count."""
+    """Write a packaged suite as batch input (`{"id", "messages"}` or `{"id", "prompt", "raw"}`
+    rows, `suite_row`); returns the row count."""
     lines = read_input(BatchConfig(output="", suite=suite, limit=limit))
     scaleout.write_atomic(path, b"".join(raw + b"\n" for _, raw in lines))
     return len(lines)
@@ -481,18 +482,19 @@ def measure_class(batch, size, model, mesh, drafter, cfg) -> tuple[list[float], 
     decoding's, on these rows (`PROBE_TOKENS` tokens each; each run once untimed first). None when
     the batch cannot run whole (a bad row, out of device memory): the batch then runs as
     `generate_batch` splits it, verifying every step, and the class's next batch measures."""
+    from specjax.drafters import NoDrafter
     from specjax.generate import drafter_label, get_engine
     from specjax.policy.costs import PROBE_TOKENS, measure_costs
-    from specjax.drafters import NoDrafter
+    from specjax.policy.rows import ALWAYS
 
     ids, params = batch_inputs(batch, size)
     engine = get_engine(model, mesh)
     try:
         table = measure_costs(engine, ids, params, model.config.eos_token_ids, drafter,
                               drafter_label(cfg.drafter, drafter)).tolist()
-        def rate(d):
+        def rate(d):  # ALWAYS: the compiled loop measure_costs timed (and the batch's rows run)
             rows = [engine.generate(ids, params, eos_ids=model.config.eos_token_ids, drafter=d,
-                                    max_new_cap=PROBE_TOKENS)[: len(batch)] for _ in range(2)][-1]
+                                    max_new_cap=PROBE_TOKENS, spec_mode=ALWAYS)[: len(batch)] for _ in range(2)][-1]
             return sum(len(r.token_ids) - 1 for r in rows) / max(rows[0].decode_seconds, 1e-9)
 
         return table, rate(drafter) / rate(NoDrafter())
