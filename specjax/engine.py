@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,17 @@ def bucket_prompt(n: int) -> int:
 
 
 @struct.dataclass
+class Pending:
+    """The plain steps since the drafter last committed, for drafters with `lazy_commit` under a
+    speculation policy: each row's last `count` emitted tokens (count <= K + 1, the same for every
+    row that ran those steps) and the target states the drafter's commit reads for them."""
+
+    count: jax.Array  # [B] int32
+    hidden: Any  # [n, B, K + 1, D] hidden states of `hidden_layers` at those positions, or None
+    final: Any  # [B, K + 1, D] final normed hidden at those positions, or None
+
+
+@struct.dataclass
 class LoopState:
     cache: KVCache  # target cache: every emitted token but the last
     draft_state: object  # the drafter's pytree
@@ -78,6 +90,7 @@ class LoopState:
     stop_ids: jax.Array  # [B, M] int32, -1 padded
     sampling: SamplingArrays  # [B] each
     policy: RowPolicy | None = None  # per-row speculation fallback (specjax/policy/rows.py), or None
+    pending: Pending | None = None  # plain steps whose drafter commit is deferred, or None
 
 
 @dataclasses.dataclass
@@ -181,7 +194,46 @@ def init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_
         stop_ids=stop_ids,
         sampling=samp,
         policy=policy,
+        pending=new_pending(drafter, b, pre_hidden, pre_final) if defers_commits(drafter, policy) else None,
     )
+
+
+def defers_commits(drafter: Drafter, policy) -> bool:
+    """Whether the loop defers the drafter's commits after plain steps (static): under a
+    speculation policy, for drafters whose proposal is optional and whose commits may be deferred."""
+    return policy is not None and drafter.num_draft > 0 and drafter.proposal_optional and drafter.lazy_commit
+
+
+def new_pending(drafter: Drafter, b: int, pre_hidden, pre_final) -> Pending:
+    """No deferred steps; buffers shaped after the prefill's hidden `[n, B, T, D]` and final
+    `[B, T, D]` states (None when the drafter reads none)."""
+    w = drafter.num_draft + 1
+    hidden = None if pre_hidden is None else jnp.zeros(pre_hidden.shape[:2] + (w, pre_hidden.shape[3]),
+                                                       pre_hidden.dtype)  # [n, B, K+1, D]
+    final = None if pre_final is None else jnp.zeros((b, w, pre_final.shape[2]), pre_final.dtype)  # [B, K+1, D]
+    return Pending(jnp.zeros((b,), jnp.int32), hidden, final)
+
+
+def defer(pend: Pending, live, hidden, final) -> Pending:
+    """Add a plain step to `pend`: live [B] bool, hidden [n, B, >= 1, D] / final [B, >= 1, D] the
+    step's target states (position 0 is the emitted token's). Rows not running add nothing."""
+    def put(buf, new, axis):  # buf [..., B, K+1, D]: the row's next slot gets new [..., B, 1, D]
+        slot = (jnp.arange(buf.shape[axis])[None] == pend.count[:, None]) & live[:, None]  # [B, K+1]
+        return jnp.where(slot[..., None], new, buf)
+
+    return pend.replace(count=pend.count + live,
+                        hidden=None if pend.hidden is None else put(pend.hidden, hidden[:, :, :1], 2),
+                        final=None if pend.final is None else put(pend.final, final[:, :1], 1))
+
+
+def catch_up(drafter: Drafter, dparams, dstate, pend: Pending, history, hist_len):
+    """Commit the deferred steps in one context, as if one verify step had emitted each row's last
+    `count` tokens (n_accepted = count - 1; -1: none). Returns (drafter state, empty Pending)."""
+    w = drafter.num_draft + 1
+    idx = hist_len[:, None] - pend.count[:, None] + jnp.arange(w)[None]  # [B, K+1]
+    tokens = jnp.take_along_axis(history, jnp.clip(idx, 0, history.shape[1] - 1), axis=1)  # [B, K+1]
+    ctx = CommitContext(pend.count - 1, tokens, history, hist_len, pend.count > 0, pend.hidden, pend.final)
+    return drafter.catch_up(dparams, dstate, ctx), pend.replace(count=jnp.zeros_like(pend.count))
 
 
 def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: bool,
@@ -191,7 +243,10 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     `all_greedy` is static: True compiles only the greedy accept; False decides at run time
     (greedy fast path when no row samples), so one compiled step serves any mix of rows. The
     drafter's `commit` runs at K = 0 too, so drafter state stays current across plain steps
-    (the serving scheduler switches K between chunks; NoDrafter's commit does nothing).
+    (the serving scheduler switches K between chunks; NoDrafter's commit does nothing). Under a
+    speculation policy, a `lazy_commit` drafter's commits after plain steps are deferred into
+    `st.pending` and caught up in one K + 1 wide pass (`catch_up`) before its next proposal or
+    once K + 1 plain steps have gathered.
     `force_verify` (a bool, or a traced scalar) verifies even when the drafter marks no row
     active: the slot engine times verify steps with the compiled code it serves with.
     """
@@ -245,6 +300,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     live = ~st.done
     last = jnp.take_along_axis(st.history, (st.hist_len - 1)[:, None], axis=1)  # [B, 1]
     pol = st.policy if k > 0 else None
+    pending, lazy = st.pending, defers_commits(drafter, pol)
     plain_pass = None  # [] bool when this step may have run the plain one-token pass
     on = live if pol is None else policy_plan(pol, live, st.steps)  # [B] rows the policy lets verify
     if pol is not None:
@@ -253,12 +309,17 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
         ctx = StepContext(st.history, st.hist_len, samp, draft_seeds, all_greedy, on, force_verify)
         if pol is not None and drafter.proposal_optional:
             # No row may verify this step: skip the drafter's work (a plain step follows, and its
-            # commit keeps the drafter's state current).
+            # commit keeps the drafter's state current, or is deferred until the drafter is needed).
+            def drafting():
+                dst, pend = st.draft_state, pending
+                if lazy:
+                    dst, pend = catch_up(drafter, dparams, dst, pend, st.history, st.hist_len)
+                return (*drafter.propose(dparams, dst, ctx), pend)
+
             shapes = jax.eval_shape(drafter.propose, dparams, st.draft_state, ctx)
             idle = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[0])  # draft [B, K] 0, inactive
-            proposal, dstate = jax.lax.cond(jnp.any(on) | force_verify,
-                                            lambda: drafter.propose(dparams, st.draft_state, ctx),
-                                            lambda: (idle, st.draft_state))
+            proposal, dstate, pending = jax.lax.cond(jnp.any(on) | force_verify, drafting,
+                                                     lambda: (idle, st.draft_state, pending))
         else:
             proposal, dstate = drafter.propose(dparams, st.draft_state, ctx)
         draft, q = proposal.draft, proposal.q  # [B, K], [B, K, V] | None
@@ -310,7 +371,17 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     cache = cache.advance(jnp.where(live, n + 1, 0))
 
     commit_ctx = CommitContext(n, emitted, history, hist_len, live, hidden, final)
-    if drafter.narrow_commit and plain_pass is not None:
+    if lazy:
+        # A plain step joins the deferred ones; K + 1 of them are committed at once.
+        def deferred():
+            pend = defer(pending, live, hidden, final)
+            return jax.lax.cond(jnp.any(pend.count > k),
+                                lambda: catch_up(drafter, dparams, dstate, pend, history, hist_len),
+                                lambda: (dstate, pend))
+
+        dstate, pending = jax.lax.cond(plain_pass, deferred,
+                                       lambda: (drafter.commit(dparams, dstate, commit_ctx), pending))
+    elif drafter.narrow_commit and plain_pass is not None:
         # A plain step emits one token a row: commit over that position alone, not K + 1.
         narrow = CommitContext(n, emitted[:, :1], history, hist_len, live,
                                None if hidden is None else hidden[:, :, :1], None if final is None else final[:, :1])
@@ -326,6 +397,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
         pol = policy_update(pol, on, st.steps, own, n_checked, jnp.sum(checked & (pos < n[:, None]), axis=1))
     return st.replace(
         policy=st.policy if pol is None else pol,
+        pending=pending,
         cache=cache,
         draft_state=dstate,
         history=history,

@@ -129,10 +129,10 @@ def test_policy_rule_on_observations():
 
 
 def test_skipping_proposals_leaves_every_decision_unchanged(default_model, real):
-    """On steps where no row may verify the engine skips the drafter's proposal; the drafter's
-    commit keeps its state current, so every later draft (and so each row's checks, accepts and
-    decisions) equals a run that proposed on every step. Greedy, the real model, every shipped
-    drafter."""
+    """On steps where no row may verify the engine skips the drafter's proposal and, for
+    `lazy_commit` drafters, defers its commits (caught up K + 1 at a time or before the next
+    proposal); every later draft (and so each row's checks, accepts and decisions) equals a run
+    that proposed and committed on every step. Greedy, the real model, every shipped drafter."""
     import copy
 
     engine, ids, plain = real

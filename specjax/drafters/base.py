@@ -97,13 +97,18 @@ class Drafter:
     # (propose writes nothing commit reads): the engine then skips proposing on steps where the
     # speculation policy lets no row verify (specjax/policy/rows.py).
     proposal_optional: bool = False
+    # Whether the engine may defer `commit` after plain steps under a speculation policy: it keeps
+    # up to K + 1 plain steps' target states (`Pending`, specjax/engine.py) and hands them to
+    # `catch_up` in one context before the next proposal or once K + 1 have gathered, so a row
+    # that does not verify pays its drafter's upkeep once per K + 1 steps, in one wider pass.
+    lazy_commit: bool = False
 
     def __init__(self, num_draft: int):
         self.num_draft = int(num_draft)
 
     def cache_key(self) -> tuple:
         """Everything static that changes the compiled code."""
-        return (type(self).__name__, self.num_draft, self.verify_lengths, self.proposal_optional)
+        return (type(self).__name__, self.num_draft, self.verify_lengths, self.proposal_optional, self.lazy_commit)
 
     @property
     def verify_lengths(self) -> tuple[int, ...]:
@@ -122,6 +127,14 @@ class Drafter:
 
     def commit(self, dparams, state, ctx: CommitContext) -> Any:
         return state
+
+    def catch_up(self, dparams, state, ctx: CommitContext) -> Any:
+        """The state after deferred plain steps (`lazy_commit`): `ctx` is shaped as a verify step's
+        (width K + 1) and holds each row's last `n_accepted + 1` emitted tokens and their target
+        states, which `propose` never saw. Must equal committing those steps one at a time (up to
+        float rounding). Default: `commit`, for drafters whose commit reads only the history and
+        the target states."""
+        return self.commit(dparams, state, ctx)
 
 
 class NoDrafter(Drafter):

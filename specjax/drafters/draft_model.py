@@ -131,6 +131,7 @@ class DraftModelDrafter(Drafter):
     # so its cache stays current whether or not `propose` ran.
     narrow_commit = True
     proposal_optional = True
+    lazy_commit = True  # `catch_up` feeds the deferred tokens from the history
 
     def __init__(self, num_draft: int, model: Model, target_config=None, draft_vocab=None):
         super().__init__(num_draft)
@@ -153,6 +154,15 @@ class DraftModelDrafter(Drafter):
         m = nnx.merge(self.model.graphdef, dparams["model"])
         cache = m.new_cache(ctx.prompt.shape[0], ctx.cache_size)
         _, cache, _ = m.hidden(ctx.prompt, cache)
+        return cache.with_lengths(ctx.hist_len - 2)
+
+    def catch_up(self, dparams, cache, ctx: CommitContext):
+        """Feed the positions from the cache's length up to hist_len - 3 (at most K + 1 after
+        deferred plain steps) in one pass; entries written past them are scratch."""
+        m = nnx.merge(self.model.graphdef, dparams["model"])
+        start = cache.lengths  # [B]
+        idx = jnp.minimum(start[:, None] + jnp.arange(ctx.tokens.shape[1])[None], ctx.history.shape[1] - 1)
+        _, cache, _ = m.hidden(jnp.take_along_axis(ctx.history, idx, axis=1), cache)  # [B, K+1] tokens
         return cache.with_lengths(ctx.hist_len - 2)
 
     def propose(self, dparams, cache, ctx: StepContext):

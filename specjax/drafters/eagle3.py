@@ -219,6 +219,7 @@ class Eagle3Drafter(Drafter):
     needs_final_hidden = False
     narrow_commit = True  # commit reads positions up to the emitted ones only
     proposal_optional = True  # propose writes only scratch entries that commit overwrites
+    lazy_commit = True  # commit runs the layer over positions old m .. new m - 1, any count
 
     def __init__(self, num_draft: int, weights: Eagle3Weights, target, min_confidence: float = 0.0):
         super().__init__(num_draft)

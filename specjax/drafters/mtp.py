@@ -202,6 +202,7 @@ class MTPDrafter(Drafter):
     name = "mtp"
     needs_final_hidden = True
     proposal_optional = True  # propose writes only scratch entries that commit overwrites
+    lazy_commit = True  # commit stores up to K + 1 new finals and reruns the modules over c .. c + K
 
     def __init__(self, num_draft: int, weights: MTPWeights, target, draft_vocab=None):
         """`draft_vocab` (`d2t [N]`, optional): the target ids the modules may propose; the head
