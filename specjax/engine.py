@@ -266,33 +266,35 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
         )
 
     def verify(tokens_in, draft, q, cache, seeds):
-        """Target pass over [last, d_1..d_K] [B, K+1] and the accept step."""
-        h, cache, hidden = model.hidden(tokens_in, cache, collect=collect)  # [B, K+1, D]
+        """Target pass over [last, d_1..d_K] [B, K+1] and the accept step. The pass reads the
+        cache and returns its new keys and values (`KVUpdate`) unwritten: the caller writes
+        them after the branch that ran (inside a `lax.switch` branch XLA copied the cache)."""
+        h, new_kv, hidden = model.hidden_kv(tokens_in, cache, collect=collect)  # [B, K+1, D]
         n, emitted = accept_step(model.logits(h), draft, q, seeds)
-        return n, emitted, cache, hidden, (h if drafter.needs_final_hidden else None)
+        return n, emitted, new_kv, hidden, (h if drafter.needs_final_hidden else None)
 
-    def to_full_width(emitted, hidden, final):
-        """Outputs of a pass over T < K+1 positions padded to K+1 (emitted [B, T] with -1,
-        hidden [n, B, T, D] and final [B, T, D] with zeros): every branch returns one shape."""
+    def to_full_width(emitted, new_kv, hidden, final):
+        """Outputs of a pass over T < K+1 positions padded to K+1 (emitted [B, T] with -1, the
+        new keys and values, hidden [n, B, T, D] and final [B, T, D] with zeros): every branch
+        returns one shape."""
         extra = k + 1 - emitted.shape[1]
         emitted = jnp.pad(emitted, ((0, 0), (0, extra)), constant_values=-1)  # [B, K+1]
         hidden = None if hidden is None else jnp.pad(hidden, ((0, 0), (0, 0), (0, extra), (0, 0)))
         final = None if final is None else jnp.pad(final, ((0, 0), (0, extra), (0, 0)))
-        return emitted, hidden, final
+        return emitted, new_kv.pad_to(k + 1), hidden, final
 
     def verify_prefix(length, tokens_in, draft, q, cache, seeds):
         """verify() of the first `length` drafts only (a shorter, cheaper pass)."""
         qp = None if q is None else q[:, :length]
-        n, emitted, cache, hidden, final = verify(tokens_in[:, : length + 1], draft[:, :length], qp, cache, seeds)
-        emitted, hidden, final = to_full_width(emitted, hidden, final)
-        return n, emitted, cache, hidden, final
+        n, emitted, new_kv, hidden, final = verify(tokens_in[:, : length + 1], draft[:, :length], qp, cache, seeds)
+        return (n, *to_full_width(emitted, new_kv, hidden, final))
 
     def plain_step(tokens_in, draft, q, cache, seeds):
         """One token without verification, padded to verify()'s shapes (drafts all rejected)."""
-        h, cache, hidden = model.hidden(tokens_in[:, :1], cache, collect=collect)  # [B, 1, D]
+        h, new_kv, hidden = model.hidden_kv(tokens_in[:, :1], cache, collect=collect)  # [B, 1, D]
         tok = sample(seeds, model.logits(h[:, 0]), samp)  # [B]
-        emitted, hidden, final = to_full_width(tok[:, None], hidden, h if drafter.needs_final_hidden else None)
-        return jnp.zeros((b,), jnp.int32), emitted, cache, hidden, final
+        final = h if drafter.needs_final_hidden else None
+        return (jnp.zeros((b,), jnp.int32), *to_full_width(tok[:, None], new_kv, hidden, final))
 
     # Each row's randomness for this step, keyed by its seed and its own step count.
     step_seed = derive(st.seed, st.steps)  # [B]; derive(s, a, b) == derive(derive(s, a), b)
@@ -327,7 +329,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
         lengths = drafter.verify_lengths  # static, ascending, last = K
         if len(lengths) == 1 and proposal.active is None and pol is None:
             own = jnp.full((b,), k, jnp.int32)  # drafts each row checks this step
-            n, emitted, cache, hidden, final = verify(tokens_in, draft, q, st.cache, verify_seeds)
+            n, emitted, new_kv, hidden, final = verify(tokens_in, draft, q, st.cache, verify_seeds)
         else:
             # Each row checks the drafts it would check alone: the shortest listed length that
             # holds its wanted count, none when it is not active. The pass verifies the shortest
@@ -347,12 +349,18 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
             masked = jnp.where(keep, draft, -1)
             q = None if q is None else jnp.where(keep[:, :, None], q, 0.0)
             branches = [plain_step] + [partial(verify_prefix, x) for x in lengths[:-1]] + [verify]
-            n, emitted, cache, hidden, final = jax.lax.switch(branch, branches, tokens_in, masked, q, st.cache,
-                                                              verify_seeds)
+            n, emitted, new_kv, hidden, final = jax.lax.switch(branch, branches, tokens_in, masked, q, st.cache,
+                                                               verify_seeds)
     else:
         draft, q, dstate = jnp.zeros((b, 0), jnp.int32), None, st.draft_state
         own = jnp.zeros((b,), jnp.int32)
-        n, emitted, cache, hidden, final = verify(last, draft, q, st.cache, verify_seeds)
+        n, emitted, new_kv, hidden, final = verify(last, draft, q, st.cache, verify_seeds)
+    # Write the pass's K + 1 positions at the lengths (rows keep n + 1 of them) after every read
+    # of the cache: the write offsets depend on the emitted tokens (>= 0, so they equal the
+    # lengths), which depend on all the reads; XLA then updates the cache in place (unordered,
+    # it copied every buffer; an optimization barrier did not order them).
+    starts = jnp.where(emitted[:, 0] < 0, 0, st.cache.lengths)  # [B] == lengths
+    cache = st.cache.with_lengths(starts).write(new_kv)
 
     # Truncate at the first stop token and at max_new; only live rows write.
     num_out = st.hist_len - prompt_len

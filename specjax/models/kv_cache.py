@@ -51,6 +51,26 @@ class KVCache:
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
+    def write(self, new: "KVUpdate") -> "KVCache":
+        """The cache with `new`'s T positions written at each row's `lengths` (not advanced)."""
+        kv = [write_layer(kb, vb, k, v, self.lengths) for kb, vb, k, v in zip(self.k, self.v, new.k, new.v, strict=True)]
+        return self.replace(k=tuple(k for k, _ in kv), v=tuple(v for _, v in kv))
+
+
+@struct.dataclass
+class KVUpdate:
+    """The new keys and values of a pass over T positions, not yet written (`Llama.hidden_kv`)."""
+
+    k: tuple[jax.Array, ...]  # L x [B, T, KV, H]
+    v: tuple[jax.Array, ...]  # L x [B, T, KV, H]
+
+    def pad_to(self, t: int) -> "KVUpdate":
+        """Zero entries after the T positions up to `t` (written past what a row keeps: scratch)."""
+        def pad(x):  # [B, T, KV, H] -> [B, t, KV, H]
+            return jnp.pad(x, ((0, 0), (0, t - x.shape[1]), (0, 0), (0, 0)))
+
+        return KVUpdate(tuple(pad(k) for k in self.k), tuple(pad(v) for v in self.v))
+
 
 def write_rows(buf: jax.Array, new: jax.Array, starts: jax.Array, axis: int = 1) -> jax.Array:
     """Write `new` into `buf` at per-row offsets `starts [B]` along `axis`.

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.config import LlamaConfig
-from specjax.models.kv_cache import KVCache, write_layer
+from specjax.models.kv_cache import KVCache, KVUpdate, write_layer
 
 
 # Few-row matmuls on CPU (DESIGN.md §5). XLA runs `[O, I] x [I, 1]` as a matrix-vector product
@@ -136,28 +136,52 @@ class Attention(nnx.Module):
         v = qkv[..., (n + kv) * h :].reshape(b, t, kv, h)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    def attend(self, x, cos, sin, k_cache, v_cache, starts):
+        """x `[B, T, Din]`; k_cache, v_cache `[B*KV, S, H]` (kv_cache.py), read only; starts `[B]`
+        (= cache lengths). Returns the output `[B, T, D]` and the new keys and values
+        `[B, T, KV, H]`, not written: a caller that picks one of several passes under `lax.cond`
+        writes the chosen one's afterwards, and XLA then updates the cache in place (a pass that
+        wrote inside a branch made XLA copy every cache buffer twice per step)."""
+        q, k, v = self.project(x, cos, sin)
+        return attention(self.cfg, self.o[...], q, k, v, k_cache, v_cache, starts), k, v
+
     def __call__(self, x, cos, sin, k_cache, v_cache, starts):
-        """x `[B, T, Din]`; k_cache, v_cache `[B*KV, S, H]` (kv_cache.py); starts `[B]` (= cache
-        lengths). Returns the output `[B, T, D]` and both caches with the T new positions written."""
-        cfg = self.cfg
-        b, t, _ = x.shape
-        n, kv, h, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_groups
+        """`attend` with the new keys and values written at `starts` first (a read of the cache
+        after its in-place update needs no copy): returns the output `[B, T, D]` and both caches."""
         q, k, v = self.project(x, cos, sin)
         k_cache, v_cache = write_layer(k_cache, v_cache, k, v, starts)
+        return attention(self.cfg, self.o[...], q, k, v, k_cache, v_cache, starts), k_cache, v_cache
 
-        # Queries grouped by KV head: row (b, j) of the cache serves M = T*G query vectors. Scores
-        # are `[B*KV, S, M]` (S major, softmax over axis 1): XLA CPU then streams K and V.
-        s = k_cache.shape[1]
-        q = q.reshape(b, t, kv, g, h).transpose(0, 2, 1, 3, 4).reshape(b * kv, t * g, h)  # [B*KV, M, H]
-        q_pos = starts[:, None] + jnp.arange(t)  # [B, T]
-        mask = jnp.arange(s)[None, :, None] <= q_pos[:, None, :]  # [B, S, T]
-        mask = jnp.broadcast_to(mask[:, None, :, :, None], (b, kv, s, t, g)).reshape(b * kv, s, t * g)
-        scores = jnp.einsum("NSH,NMH->NSM", k_cache, q, preferred_element_type=jnp.float32) / math.sqrt(h)
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=1).astype(v_cache.dtype)  # [B*KV, S, M]
-        out = jnp.einsum("NSM,NSH->NMH", probs, v_cache)  # [B*KV, M, H]
-        out = out.reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4)  # [B, T, KV, G, H]
-        return linear(self.o[...], out.reshape(b, t, n * h)), k_cache, v_cache
+
+def attention(cfg: LlamaConfig, o_weight, q, k, v, k_cache, v_cache, starts):
+    """Grouped-query attention of T new queries `q [B, T, N, H]` over the cache's first `starts
+    [B]` positions (`k_cache, v_cache [B*KV, S, H]`; entries at `starts` and past are ignored,
+    written or not) and, causally, their own keys and values `k, v [B, T, KV, H]`: one softmax
+    over both parts. Returns the output projection `[B, T, D]`."""
+    b, t = q.shape[:2]
+    n, kv, h, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_groups
+    # Queries grouped by KV head: row (b, j) of the cache serves M = T*G query vectors. Scores are
+    # `[B*KV, S, M]` (S major, softmax over S): XLA CPU then streams K and V.
+    s, m = k_cache.shape[1], t * g
+    q = q.reshape(b, t, kv, g, h).transpose(0, 2, 1, 3, 4).reshape(b * kv, m, h)  # [B*KV, M, H]
+    k_new = k.transpose(0, 2, 1, 3).reshape(b * kv, t, h).astype(k_cache.dtype)  # [B*KV, T, H]
+    v_new = v.transpose(0, 2, 1, 3).reshape(b * kv, t, h).astype(v_cache.dtype)  # [B*KV, T, H]
+    acc = jnp.promote_types(v_cache.dtype, jnp.float32)  # scores, softmax and sums: f32 (f64 for f64)
+    scale, lowest = 1.0 / math.sqrt(h), jnp.finfo(acc).min
+    old_ok = jnp.repeat(jnp.arange(s)[None, :] < starts[:, None], kv, axis=0)[:, :, None]  # [B*KV, S, 1]
+    new_ok = jnp.repeat(jnp.arange(t)[:, None] <= jnp.arange(t)[None, :], g, axis=1)[None]  # [1, T, M]
+    s_old = jnp.einsum("NSH,NMH->NSM", k_cache, q, preferred_element_type=acc) * scale
+    s_new = jnp.einsum("NTH,NMH->NTM", k_new, q, preferred_element_type=acc) * scale
+    s_old = jnp.where(old_ok, s_old, lowest)  # [B*KV, S, M]
+    s_new = jnp.where(new_ok, s_new, lowest)  # [B*KV, T, M]
+    top = jnp.maximum(jnp.max(s_old, axis=1, keepdims=True), jnp.max(s_new, axis=1, keepdims=True))  # [B*KV, 1, M]
+    p_old, p_new = jnp.exp(s_old - top), jnp.exp(s_new - top)  # one softmax over S + T, unnormalised
+    total = jnp.sum(p_old, axis=1) + jnp.sum(p_new, axis=1)  # [B*KV, M]
+    out = (jnp.einsum("NSM,NSH->NMH", p_old.astype(v_cache.dtype), v_cache, preferred_element_type=acc)
+           + jnp.einsum("NTM,NTH->NMH", p_new.astype(v_cache.dtype), v_new, preferred_element_type=acc))  # [B*KV, M, H]
+    out = (out / total[:, :, None]).astype(q.dtype)
+    out = out.reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4)  # [B, T, KV, G, H]
+    return linear(o_weight, out.reshape(b, t, n * h))
 
 
 class MLP(nnx.Module):
@@ -180,11 +204,18 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
 
+    def attend(self, x, cos, sin, k_cache, v_cache, starts):
+        """x `[B, T, D]` -> (output `[B, T, D]`, new k, v `[B, T, KV, H]`, not written)."""
+        return self._run(self.attn.attend, x, cos, sin, k_cache, v_cache, starts)
+
     def __call__(self, x, cos, sin, k_cache, v_cache, starts):
-        a, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, starts)
+        """`attend` with the new keys and values written: (output, k_cache, v_cache)."""
+        return self._run(self.attn, x, cos, sin, k_cache, v_cache, starts)
+
+    def _run(self, attn, x, cos, sin, k_cache, v_cache, starts):
+        a, k, v = attn(self.attn_norm(x), cos, sin, k_cache, v_cache, starts)
         x = x + a
-        x = x + self.mlp(self.mlp_norm(x))
-        return x, k_cache, v_cache
+        return x + self.mlp(self.mlp_norm(x)), k, v
 
 
 class Llama(nnx.Module):
@@ -214,6 +245,17 @@ class Llama(nnx.Module):
         Returns the final normed hidden `[B, T, D]`, the cache with the new K/V written (lengths
         unchanged) and the hidden states of the `collect` layers `[n, B, T, D]` (or None).
         """
+        h, written, collected = self._layers(tokens, cache, collect, embeds, write=True)
+        return h, cache.replace(k=written.k, v=written.v), collected
+
+    def hidden_kv(self, tokens, cache: KVCache, collect: tuple[int, ...] = (), embeds=None):
+        """`hidden` with the cache read only: returns the final normed hidden `[B, T, D]`, the
+        new keys and values (`KVUpdate` `[B, T, KV, H]` per layer, for `KVCache.write`) and the
+        collected hidden states. Same arithmetic as `hidden`."""
+        return self._layers(tokens, cache, collect, embeds, write=False)
+
+    def _layers(self, tokens, cache, collect, embeds, write: bool):
+        """-> (final normed hidden, per layer either the written buffers or the new k/v, collected)."""
         x = self.embed_tokens(tokens) if embeds is None else embeds  # [B, T, D]
         b, t = tokens.shape
         starts = cache.lengths
@@ -221,12 +263,13 @@ class Llama(nnx.Module):
         cos, sin = rope_tables(self.cfg, positions)
         outs, ks, vs = [], [], []
         for layer, k_l, v_l in zip(self.layers, cache.k, cache.v, strict=True):
-            x, k_l, v_l = layer(x, cos, sin, k_l, v_l, starts)
+            run = layer if write else layer.attend
+            x, k, v = run(x, cos, sin, k_l, v_l, starts)  # x [B, T, D]; k, v [B*KV, S, H] | [B, T, KV, H]
             outs.append(x)
-            ks.append(k_l)
-            vs.append(v_l)
+            ks.append(k)
+            vs.append(v)
         collected = jnp.stack([outs[i] for i in collect]) if collect else None  # [n, B, T, D]
-        return self.norm(x), cache.replace(k=tuple(ks), v=tuple(vs)), collected
+        return self.norm(x), KVUpdate(tuple(ks), tuple(vs)), collected
 
     def __call__(self, tokens, cache: KVCache, collect: tuple[int, ...] = ()):
         """tokens `[B, T]` -> f32 logits `[B, T, V]`, new cache, collected hidden states."""
