@@ -15,7 +15,10 @@ them at positions `lengths[b] .. lengths[b] + T - 1` of each row and attends cau
 position, but does *not* advance `lengths`: the caller commits what it keeps with
 :meth:`KVCache.advance`. Rolling back rejected draft tokens is therefore free: a row that is not
 advanced past them will overwrite them on its next write, and until then they sit at positions no
-query can see.
+query can see. A pass may also leave the cache untouched (`Llama.hidden_kv`) and return its new
+keys and values as a `KVUpdate` for `KVCache.write`: the decode step picks one of several passes
+under `lax.switch` and writes the chosen one's afterwards, which XLA does in place (writes inside
+the branches made it copy every buffer).
 """
 
 from __future__ import annotations
