@@ -245,17 +245,19 @@ class Llama(nnx.Module):
         Returns the final normed hidden `[B, T, D]`, the cache with the new K/V written (lengths
         unchanged) and the hidden states of the `collect` layers `[n, B, T, D]` (or None).
         """
-        h, written, collected = self._layers(tokens, cache, collect, embeds, write=True)
-        return h, cache.replace(k=written.k, v=written.v), collected
+        h, ks, vs, collected = self._layers(tokens, cache, collect, embeds, write=True)
+        return h, cache.replace(k=ks, v=vs), collected
 
     def hidden_kv(self, tokens, cache: KVCache, collect: tuple[int, ...] = (), embeds=None):
         """`hidden` with the cache read only: returns the final normed hidden `[B, T, D]`, the
         new keys and values (`KVUpdate` `[B, T, KV, H]` per layer, for `KVCache.write`) and the
         collected hidden states. Same arithmetic as `hidden`."""
-        return self._layers(tokens, cache, collect, embeds, write=False)
+        h, ks, vs, collected = self._layers(tokens, cache, collect, embeds, write=False)
+        return h, KVUpdate(ks, vs), collected
 
     def _layers(self, tokens, cache, collect, embeds, write: bool):
-        """-> (final normed hidden, per layer either the written buffers or the new k/v, collected)."""
+        """-> (final normed hidden, keys and values per layer: the written buffers `[B*KV, S, H]`
+        with `write`, else the new entries `[B, T, KV, H]`, collected hidden states)."""
         x = self.embed_tokens(tokens) if embeds is None else embeds  # [B, T, D]
         b, t = tokens.shape
         starts = cache.lengths
@@ -269,7 +271,7 @@ class Llama(nnx.Module):
             ks.append(k)
             vs.append(v)
         collected = jnp.stack([outs[i] for i in collect]) if collect else None  # [n, B, T, D]
-        return self.norm(x), KVUpdate(tuple(ks), tuple(vs)), collected
+        return self.norm(x), tuple(ks), tuple(vs), collected
 
     def __call__(self, tokens, cache: KVCache, collect: tuple[int, ...] = ()):
         """tokens `[B, T]` -> f32 logits `[B, T, V]`, new cache, collected hidden states."""
