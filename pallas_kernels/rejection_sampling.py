@@ -15,24 +15,45 @@ the same formulas then reduce to "accept while d_i = argmax, emit the argmax at 
 Sampling from the residual uses the exponential race: argmax_v r_v / E_v with E_v ~ Exp(1) is a
 draw from r / sum(r), so the kernel needs one pass over the vocabulary, no sort and no
 normalisation. All randomness comes from a counter-based hash of (seed, position, vocab index),
-so the Pallas kernel and the jnp reference produce bit-identical results for the same seeds, on
-every backend, with no random tensors in memory.
+so the Pallas kernel and the jnp reference compute the same numbers from the same seeds with no
+random tensors in memory; they agree bit for bit wherever they share the float `log` and divide
+(interpret mode on CPU; on a device, the device's own `log` and divide decide).
 
-Layout: each program takes R rows (see `default_rows_per_block`); positions are padded to P (a
-power of two >= 8, as TPU tiling and Triton both want) and the vocabulary is swept in tiles of
-`VOCAB_TILE` lanes, carrying the running race winner, so no [V]-sized temporary is ever formed.
+Layout (see `kernel_plan`): the grid is (row blocks, vocab tiles) and every block is
+[R, P, TV] (R rows, P position slots, TV vocab lanes), sized per backend to a stated memory
+budget (`TPU_VMEM_BUDGET`, `GPU_SMEM_BUDGET`; `block_bytes` computes the bytes from the specs
+the kernel is built with). Two ways to combine the race over vocab tiles, bit-identical:
+
+* "reduce" (Mosaic TPU, interpret): the vocab axis is a reduction ("arbitrary"); the running
+  race winners live in VMEM scratch and the last tile writes the winner and accept flags. p and
+  q are not copied or padded: blocks overhang the K+1 (K) positions and the ragged last tile,
+  and the kernel masks what lies outside the arrays.
+* "split" (Triton, Mosaic GPU): every (row, tile) program writes its tile's winners, and a
+  small jnp pass picks the first best tile. GPU programs run in no fixed order, and at batch 1 a
+  row split over tiles still fills the device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-VOCAB_TILE = 2048  # lanes per vocab tile (smaller vocabularies use one tile of round_up(V, 128))
 ACCEPT_STREAM = 0x7FFFFFFF  # vocab index reserved for the acceptance uniforms
+TPU_VMEM_BUDGET = 8 << 20  # bytes per program: half the 16 MiB default scoped VMEM (v5e; 32 MiB v6e)
+GPU_SMEM_BUDGET = 96 << 10  # bytes per program: under the 99 KiB per-block opt-in of sm_86/89 (227 KiB sm_90)
+GPU_MAX_BLOCK_ELEMENTS = 1 << 20  # Triton's cap on a tensor's elements
+TPU_CHUNK = 512  # lanes per compute step inside a TPU block (bounds the [R, P, chunk] temporaries)
+TPU_MAX_TILE = 8192  # lanes per TPU block (past this a grid step's ~0.35 us overhead is negligible)
+GPU_MAX_TILE = 2048  # lanes per GPU block (elements per thread stay in registers at 4 warps)
+TPU_TEMPORARIES = 8  # live [R, P, chunk] f32 arrays in one compute step (budget estimate)
+_NO_INDEX = 2**30  # larger than any vocab index
 
 
 def mix32(x):
@@ -62,46 +83,40 @@ def unit_float(x):
     return ((x >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
 
 
-def _positions(k: int) -> int:
-    return max(8, pl.next_power_of_2(k + 1))
-
-
-def _vocab_tile(v: int) -> int:
-    return min(VOCAB_TILE, pl.cdiv(v, 128) * 128)
-
-
-def _prepare(p, q, draft, seeds):
-    """Pad to kernel shapes: p [B, P, Vp], q [B, P, Vp] | None, draft [B, P] (-1 pad)."""
-    b, kp1, v = p.shape
-    k = kp1 - 1
-    pp = _positions(k)
-    tile = _vocab_tile(v)
-    vp = pl.cdiv(v, tile) * tile
-    p = jnp.pad(p.astype(jnp.float32), ((0, 0), (0, pp - kp1), (0, vp - v)))
-    if q is not None:
-        q = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, pp - k), (0, vp - v)))
-    draft = jnp.pad(draft.astype(jnp.int32), ((0, 0), (0, pp - k)), constant_values=-1)
-    return p, q, draft, seeds.astype(jnp.uint32), k, v
-
-
 def _finish(winner, accept, draft, k):
     """Combine per-position race winners and accept flags into the step's output.
 
-    Returns n_accepted [B] and tokens [B, K + 1] (drafts, then the recovered/bonus token at
-    index n; entries after n are -1).
+    Args:
+      winner: [B, >= K+1] int32 race winner per position.
+      accept: [B, >= K] bool acceptance of draft i.
+      draft: [B, >= K] int32 drafts.
+      k: K.
+
+    Returns:
+      n_accepted [B] and tokens [B, K + 1] (drafts, then the recovered/bonus token at index n;
+      entries after n are -1).
     """
     idx = jnp.arange(k + 1)
     accept = accept[:, :k]
     n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # [B]
     final = jnp.take_along_axis(winner, n[:, None], axis=1)  # [B, 1]
-    draft_ext = jnp.concatenate([draft[:, :k], jnp.full_like(draft[:, :1], -1)], axis=1)
+    draft_ext = jnp.concatenate([draft[:, :k], jnp.full_like(draft[:, :1], -1)], axis=1)  # [B, K+1]
     tokens = jnp.where(idx[None] < n[:, None], draft_ext, jnp.where(idx[None] == n[:, None], final, -1))
     return n, tokens.astype(jnp.int32)
 
 
 def rejection_sample_reference(p, q, draft, seeds):
-    """Pure-jnp reference. p [B, K+1, V] target probs; q [B, K, V] draft probs or None (one-hot
-    drafts); draft [B, K] int32; seeds [B] uint32. Returns (n_accepted [B], tokens [B, K+1])."""
+    """Pure-jnp reference.
+
+    Args:
+      p: [B, K+1, V] target probabilities.
+      q: [B, K, V] draft probabilities, or None for one-hot drafts.
+      draft: [B, K] int32 draft tokens.
+      seeds: [B] uint32, one per row and step.
+
+    Returns:
+      (n_accepted [B] int32, tokens [B, K+1] int32), see `_finish`.
+    """
     b, kp1, v = p.shape
     k = kp1 - 1
     p = p.astype(jnp.float32)
@@ -114,145 +129,447 @@ def rejection_sample_reference(p, q, draft, seeds):
     else:
         qf = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((b, 1, v), jnp.float32)], axis=1)
     qf = jnp.where(pos < k, qf, 0.0)  # the bonus position races on p itself
-    resid = jnp.maximum(p - qf, 0.0)
+    resid = jnp.maximum(p - qf, 0.0)  # [B, K+1, V]
     e = -jnp.log(hash_uniform(seeds[:, None, None], pos, voc))
     score = jnp.where(resid > 0, resid / e, -1.0)
-    winner = jnp.argmax(score, axis=-1).astype(jnp.int32)  # first index among ties
+    winner = jnp.argmax(score, axis=-1).astype(jnp.int32)  # [B, K+1] first index among ties
     fallback = jnp.argmax(p, axis=-1).astype(jnp.int32)
     winner = jnp.where(jnp.max(score, axis=-1) > 0, winner, fallback)
-    p_d = jnp.sum(jnp.where(is_d, p, 0.0), axis=-1)
+    p_d = jnp.sum(jnp.where(is_d, p, 0.0), axis=-1)  # [B, K+1]
     q_d = jnp.sum(jnp.where(is_d, qf, 0.0), axis=-1)
     u = hash_uniform(seeds[:, None], jnp.arange(kp1)[None], jnp.uint32(ACCEPT_STREAM))
     accept = u * q_d < p_d
     return _finish(winner, accept, d, k)
 
 
-def _kernel(seed_ref, draft_ref, p_ref, *rest, tile: int, has_q: bool):
-    """R rows: seed_ref [R, 1, 1]; draft_ref [R, 1, P]; p_ref, q_ref [R, P, Vp]; outputs
-    winner_ref, accept_ref [R, 1, P]. (Unit middle axes keep every block's last two dims equal
-    to the array's, as TPU tiling requires.)"""
-    if has_q:
-        q_ref, winner_ref, accept_ref = rest
+# ---- layout and budgets ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """How one call is laid out. Blocks are [rows, positions, tile]; the grid is
+    (batch_padded // rows, n_tiles); `vocab_padded` > vocab only where the backend needs the
+    vocab padded to whole tiles (GPU), else the last tile is ragged and masked."""
+
+    backend: str | None
+    layout: str  # "reduce" | "split"
+    batch: int
+    k: int
+    vocab: int
+    dtype: str
+    has_q: bool
+    rows: int
+    positions: int
+    tile: int
+    chunk: int  # lanes per compute step; divides tile
+    vocab_padded: int
+
+    @property
+    def n_tiles(self) -> int:
+        return pl.cdiv(self.vocab, self.tile)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (pl.cdiv(self.batch, self.rows), self.n_tiles)
+
+
+def _is_gpu(backend: str | None) -> bool:
+    return backend in ("triton", "mosaic_gpu")
+
+
+def default_rows_per_block(backend: str | None) -> int:
+    """Rows per program: one on GPU (programs split the vocab instead), a sublane-friendly 8 on
+    TPU, many in interpret mode (where each program costs a loop trip)."""
+    return {"triton": 1, "mosaic_gpu": 1, "mosaic_tpu": 8}.get(backend, 512)
+
+
+def _tpu_sublanes(itemsize: int) -> int:
+    return 8 * max(1, 4 // itemsize)  # f32 8, bf16 16, int8 32 rows per (sublane, lane) tile
+
+
+def _buffer_bytes(shape, dtype, backend: str | None) -> int:
+    """Bytes of one buffer of `shape`; on TPU the last two dims are padded to the memory tile."""
+    itemsize = jnp.dtype(dtype).itemsize
+    if backend != "mosaic_tpu":
+        return math.prod(shape) * itemsize
+    *lead, sub, lane = shape
+    sub = pl.cdiv(sub, _tpu_sublanes(itemsize)) * _tpu_sublanes(itemsize)
+    return math.prod(lead) * sub * (pl.cdiv(lane, 128) * 128) * itemsize
+
+
+def _fixed_bytes(backend, rows, positions, chunk) -> int:
+    """Bytes that do not grow with the tile: seeds, drafts, outputs, scratch, temporaries."""
+    if backend == "mosaic_tpu":
+        small = 2 * (_buffer_bytes((rows, 1, 1), jnp.uint32, backend) + 3 * _buffer_bytes((rows, 1, positions), jnp.int32, backend))
+        scratch = 6 * _buffer_bytes((rows, positions), jnp.float32, backend)
+        return small + scratch + TPU_TEMPORARIES * _buffer_bytes((rows, positions, chunk), jnp.float32, backend)
+    return 2 * (rows * 4 + 7 * rows * positions * 4)  # seeds, drafts, six partial outputs
+
+
+def kernel_plan(backend: str | None, batch: int, k: int, vocab: int, dtype=jnp.float32, has_q: bool = True,
+                rows: int | None = None, tile: int | None = None) -> KernelPlan:
+    """The layout the kernel uses for p [batch, k+1, vocab] of `dtype` (pure; no arrays).
+
+    Args:
+      backend: "mosaic_tpu" | "triton" | "mosaic_gpu" | None (interpret, TPU-like layout).
+      batch, k, vocab: B, K, V.
+      dtype: dtype of p and q as passed in (blocks keep it; the kernel computes in f32).
+      has_q: whether dense q is streamed besides p.
+      rows: rows per block (default: `default_rows_per_block`).
+      tile: vocab lanes per block, a multiple of 128 (a power of two on GPU); default: the
+        largest that keeps `block_bytes(...)["total"]` within the backend's budget.
+
+    Returns:
+      KernelPlan.
+    """
+    itemsize = jnp.dtype(dtype).itemsize
+    n_in = 2 if has_q else 1
+    rows = min(rows or default_rows_per_block(backend), batch)
+    if _is_gpu(backend):
+        positions = max(8, pl.next_power_of_2(k + 1))  # Triton loads want power-of-two sizes
+        cap = min(GPU_MAX_TILE, max(128, pl.next_power_of_2(vocab)))
+        if tile is None:
+            room = GPU_SMEM_BUDGET - _fixed_bytes(backend, rows, positions, 0)
+            fit = room // (n_in * 2 * rows * positions * itemsize)
+            fit = min(fit, GPU_MAX_BLOCK_ELEMENTS // (rows * positions))
+            tile = max(128, min(cap, 1 << (max(fit, 1).bit_length() - 1)))
+        if tile % 128 or tile & (tile - 1):
+            raise ValueError(f"GPU vocab tile must be a power of two >= 128, got {tile}")
+        return KernelPlan(backend, "split", batch, k, vocab, jnp.dtype(dtype).name, has_q, rows, positions,
+                          tile, tile, pl.cdiv(vocab, tile) * tile)
+    positions = pl.cdiv(k + 1, 8) * 8  # blocks overhang p's K+1 and q's K rows; the kernel masks them
+    cap = min(TPU_MAX_TILE, pl.cdiv(vocab, 128) * 128)
+    if tile is None:
+        chunk = min(TPU_CHUNK, cap)
+        room = TPU_VMEM_BUDGET - _fixed_bytes("mosaic_tpu", rows, positions, chunk)
+        per_lane = n_in * 2 * _buffer_bytes((rows, positions, 128), dtype, "mosaic_tpu") // 128
+        tile = max(chunk, min(cap, room // per_lane // chunk * chunk))
+    if tile % 128:
+        raise ValueError(f"TPU vocab tile must be a multiple of 128, got {tile}")
+    return KernelPlan(backend, "reduce", batch, k, vocab, jnp.dtype(dtype).name, has_q, rows, positions, tile,
+                      math.gcd(tile, TPU_CHUNK), vocab)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpecs:
+    """What `pl.pallas_call` is given for a plan (inputs: seeds, drafts, p[, q])."""
+
+    in_specs: tuple
+    in_dtypes: tuple
+    out_specs: tuple
+    out_shape: tuple
+    scratch_shapes: tuple
+
+
+def kernel_specs(plan: KernelPlan) -> KernelSpecs:
+    """BlockSpecs, output shapes and scratch of the kernel for `plan` (pure; no arrays)."""
+    r, n_pos, tv = plan.rows, plan.positions, plan.tile
+    bp = plan.grid[0] * r if _is_gpu(plan.backend) else plan.batch
+    row = lambda i, j: (i, 0, 0)
+    vocab_block = pl.BlockSpec((r, n_pos, tv), lambda i, j: (i, 0, j))
+    in_specs = [pl.BlockSpec((r, 1, 1), row), pl.BlockSpec((r, 1, n_pos), row), vocab_block]
+    in_dtypes = [jnp.uint32, jnp.int32, plan.dtype] + [plan.dtype] * plan.has_q
+    in_specs += [vocab_block] * plan.has_q
+    if plan.layout == "reduce":
+        from jax.experimental.pallas import tpu as pltpu
+
+        out_specs = (pl.BlockSpec((r, 1, n_pos), row),) * 2  # winner, accept
+        out_shape = (jax.ShapeDtypeStruct((bp, 1, n_pos), jnp.int32),) * 2
+        scratch = tuple(pltpu.VMEM((r, n_pos), dt) for dt in _CARRY_DTYPES)
     else:
-        (winner_ref, accept_ref) = rest
-    r, n_pos, vp = p_ref.shape
-    shape = (r, n_pos, tile)
-    seed = seed_ref[:, 0, :][:, :, None]  # [R, 1, 1]
-    draft = draft_ref[:, 0, :]  # [R, P] int32
+        out_specs = (pl.BlockSpec((r, 1, n_pos), lambda i, j: (i, j, 0)),) * 6  # per-tile race state
+        out_shape = tuple(jax.ShapeDtypeStruct((bp, plan.n_tiles, n_pos), dt) for dt in _CARRY_DTYPES)
+        scratch = ()
+    return KernelSpecs(tuple(in_specs), tuple(jnp.dtype(d) for d in in_dtypes), out_specs, out_shape, scratch)
+
+
+def block_bytes(plan: KernelPlan) -> dict[str, int]:
+    """Memory one program holds, from `kernel_specs(plan)`: every input and output block twice
+    (double buffering), scratch once, and on TPU `TPU_TEMPORARIES` [R, P, chunk] f32 arrays.
+    TPU buffers are padded to (sublane, 128-lane) tiles. "largest_block" is in elements."""
+    specs = kernel_specs(plan)
+    be = "mosaic_tpu" if plan.layout == "reduce" else plan.backend
+    inputs = sum(2 * _buffer_bytes(s.block_shape, d, be) for s, d in zip(specs.in_specs, specs.in_dtypes))
+    outputs = sum(2 * _buffer_bytes(s.block_shape, o.dtype, be) for s, o in zip(specs.out_specs, specs.out_shape))
+    scratch = sum(_buffer_bytes(s.shape, s.dtype, be) for s in specs.scratch_shapes)
+    temps = TPU_TEMPORARIES * _buffer_bytes((plan.rows, plan.positions, plan.chunk), jnp.float32, be) if be == "mosaic_tpu" else 0
+    largest = max(math.prod(s.block_shape) for s in specs.in_specs + specs.out_specs)
+    return {"inputs": inputs, "outputs": outputs, "scratch": scratch, "temporaries": temps,
+            "total": inputs + outputs + scratch + temps, "largest_block": largest}
+
+
+def memory_budget(backend: str | None) -> int:
+    """Bytes `block_bytes(...)["total"]` must stay within for `backend`."""
+    return GPU_SMEM_BUDGET if _is_gpu(backend) else TPU_VMEM_BUDGET
+
+
+# ---- the kernel ------------------------------------------------------------------------------
+
+_CARRY_DTYPES = (jnp.float32, jnp.int32, jnp.float32, jnp.int32, jnp.float32, jnp.float32)
+# best score, its index, max p, its index, p(draft), q(draft); each [R, P]
+
+
+def _init_carry(r, n_pos):
+    zeros = jnp.zeros((r, n_pos), jnp.float32)
+    izeros = jnp.zeros((r, n_pos), jnp.int32)
+    return (zeros - 2.0, izeros, zeros - jnp.inf, izeros, zeros, zeros)
+
+
+def _sweep(seed, draft, p_ref, q_ref, carry, base, *, k: int, vocab: int, chunk: int):
+    """Race over one block's vocab lanes, `chunk` at a time, continuing `carry`.
+
+    Args:
+      seed: [R, 1, 1] uint32; draft: [R, P] int32 (-1 past K).
+      p_ref, q_ref: [R, P, TV] blocks (q_ref None: one-hot drafts); lane t is vocab index base + t.
+      carry: six [R, P] arrays (see `_CARRY_DTYPES`).
+
+    Returns:
+      The updated carry. Ties keep the earlier index, like argmax; lanes >= vocab never count.
+    """
+    r, n_pos, tv = p_ref.shape
+    shape = (r, n_pos, chunk)
     pos = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
     lane = jax.lax.broadcasted_iota(jnp.int32, shape, 2)
-    n_draft = jnp.sum((draft >= 0).astype(jnp.int32), axis=1)[:, None, None]  # [R, 1, 1]
 
-    def body(t, carry):
+    def step(start, carry):
         best, arg, pmax, parg, p_d, q_d = carry  # each [R, P]
-        start = pl.multiple_of(t * tile, tile)
-        pt = p_ref[:, :, pl.ds(start, tile)]  # [R, P, TV]
-        voc = lane + start
+        voc = lane + (base + start)  # [R, P, C]
+        valid = voc < vocab
+        pt = jnp.where(valid, p_ref[:, :, pl.ds(start, chunk)].astype(jnp.float32), 0.0)  # [R, P, C]
         is_d = voc == draft[:, :, None]
-        qt = q_ref[:, :, pl.ds(start, tile)] if has_q else is_d.astype(jnp.float32)
-        qt = jnp.where(pos < n_draft, qt, 0.0)
+        qt = q_ref[:, :, pl.ds(start, chunk)].astype(jnp.float32) if q_ref is not None else is_d.astype(jnp.float32)
+        qt = jnp.where(valid & (pos < k), qt, 0.0)  # the bonus position races on p itself
         resid = jnp.maximum(pt - qt, 0.0)
         e = -jnp.log(hash_uniform(seed, pos, voc))
-        score = jnp.where(resid > 0, resid / e, -1.0)
+        score = jnp.where(resid > 0, resid / e, -1.0)  # [R, P, C]
         t_best = jnp.max(score, axis=2)  # [R, P]
-        t_arg = jnp.min(jnp.where(score == t_best[:, :, None], voc, jnp.int32(2**30)), axis=2)
-        t_pmax = jnp.max(pt, axis=2)
-        t_parg = jnp.min(jnp.where(pt == t_pmax[:, :, None], voc, jnp.int32(2**30)), axis=2)
-        better = t_best > best  # strict: earlier tiles win ties, like argmax
+        t_arg = jnp.min(jnp.where(score == t_best[:, :, None], voc, _NO_INDEX), axis=2)
+        pm = jnp.where(valid, pt, -jnp.inf)
+        t_pmax = jnp.max(pm, axis=2)
+        t_parg = jnp.min(jnp.where(pm == t_pmax[:, :, None], voc, _NO_INDEX), axis=2)
+        better = t_best > best  # strict: earlier chunks win ties
         pbetter = t_pmax > pmax
         return (
             jnp.where(better, t_best, best),
             jnp.where(better, t_arg, arg),
             jnp.where(pbetter, t_pmax, pmax),
             jnp.where(pbetter, t_parg, parg),
-            p_d + jnp.sum(jnp.where(is_d, pt, 0.0), axis=2),
+            p_d + jnp.sum(jnp.where(is_d, pt, 0.0), axis=2),  # one lane of the whole vocab: exact
             q_d + jnp.sum(jnp.where(is_d, qt, 0.0), axis=2),
         )
 
-    zeros = jnp.zeros((r, n_pos), jnp.float32)
-    izeros = jnp.zeros((r, n_pos), jnp.int32)
-    init = (zeros - 2.0, izeros, zeros - 1.0, izeros, zeros, zeros)
-    best, arg, _, parg, p_d, q_d = jax.lax.fori_loop(0, vp // tile, body, init)
-    winner_ref[:, 0, :] = jnp.where(best > 0, arg, parg)
-    u = hash_uniform(seed[:, :, 0], jax.lax.broadcasted_iota(jnp.int32, (r, n_pos), 1), jnp.uint32(ACCEPT_STREAM))
-    accept_ref[:, 0, :] = (u * q_d < p_d).astype(jnp.int32)
+    if tv == chunk:
+        return step(0, carry)
+    return jax.lax.fori_loop(0, tv // chunk, lambda c, x: step(pl.multiple_of(c * chunk, chunk), x), carry)
 
 
-def _compiler_params(backend: str | None):
-    if backend == "triton":
+def _accept(seed, p_d, q_d):
+    """Acceptance flags [R, P] from seeds [R, 1] and p(draft), q(draft) [R, P]."""
+    pos = jax.lax.broadcasted_iota(jnp.int32, p_d.shape, 1)
+    return hash_uniform(seed, pos, jnp.uint32(ACCEPT_STREAM)) * q_d < p_d
+
+
+def _reduce_kernel(seed_ref, draft_ref, p_ref, *rest, k: int, vocab: int, chunk: int, has_q: bool):
+    """Grid (row blocks, vocab tiles), the vocab axis sequential. seed_ref [R, 1, 1];
+    draft_ref [R, 1, P]; p_ref, q_ref [R, P, TV]; outputs winner_ref, accept_ref [R, 1, P];
+    scratch: the six [R, P] race states, carried across vocab tiles."""
+    q_ref = rest[0] if has_q else None
+    winner_ref, accept_ref, *state = rest[1:] if has_q else rest
+    j = pl.program_id(1)
+    r, n_pos, tv = p_ref.shape
+
+    @pl.when(j == 0)
+    def _():
+        for ref, x in zip(state, _init_carry(r, n_pos)):
+            ref[...] = x
+
+    carry = tuple(ref[...] for ref in state)
+    carry = _sweep(seed_ref[...], draft_ref[:, 0, :], p_ref, q_ref, carry, j * tv, k=k, vocab=vocab, chunk=chunk)
+    for ref, x in zip(state, carry):
+        ref[...] = x
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _():
+        best, arg, _, parg, p_d, q_d = carry
+        winner_ref[:, 0, :] = jnp.where(best > 0, arg, parg)
+        accept_ref[:, 0, :] = _accept(seed_ref[:, 0, :], p_d, q_d).astype(jnp.int32)
+
+
+def _split_kernel(seed_ref, draft_ref, p_ref, *rest, k: int, vocab: int, chunk: int, has_q: bool):
+    """Grid (row blocks, vocab tiles), all parallel. Inputs as `_reduce_kernel`; outputs: the
+    six race states of this tile, each [R, 1, P]."""
+    q_ref = rest[0] if has_q else None
+    outs = rest[1:] if has_q else rest
+    r, n_pos, tv = p_ref.shape
+    carry = _sweep(seed_ref[...], draft_ref[:, 0, :], p_ref, q_ref, _init_carry(r, n_pos), pl.program_id(1) * tv,
+                   k=k, vocab=vocab, chunk=chunk)
+    for ref, x in zip(outs, carry):
+        ref[:, 0, :] = x
+
+
+def _combine_tiles(seeds, best, arg, pmax, parg, p_d, q_d):
+    """Per-tile race states [B, T, P] -> (winner [B, P], accept [B, P]); the first best tile
+    wins, as in the sequential sweep."""
+    pick = lambda x, t: jnp.take_along_axis(x, t[:, None], axis=1)[:, 0]
+    t_best = jnp.argmax(best, axis=1)  # [B, P]
+    t_pmax = jnp.argmax(pmax, axis=1)
+    winner = jnp.where(pick(best, t_best) > 0, pick(arg, t_best), pick(parg, t_pmax))
+    return winner, _accept(seeds[:, None], jnp.sum(p_d, axis=1), jnp.sum(q_d, axis=1))
+
+
+def _compiler_params(plan: KernelPlan, interpret):
+    if interpret is True:
+        return None
+    if plan.backend == "triton":
         from jax.experimental.pallas import triton as pl_triton
 
         return pl_triton.CompilerParams(num_warps=4, num_stages=1)
-    if backend == "mosaic_tpu":
+    if plan.backend == "mosaic_gpu":
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        return plgpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
+    if plan.layout == "reduce":
         from jax.experimental.pallas import tpu as pltpu
 
-        return pltpu.CompilerParams(dimension_semantics=("parallel",))
+        return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
     return None
 
 
-def default_kernel_backend() -> str | None:
-    """Triton on GPU (the kernel streams vocab tiles from global memory, which Triton's pointer
-    loads do directly), Mosaic on TPU, none (interpret) on CPU."""
-    return {"gpu": "triton", "tpu": "mosaic_tpu"}.get(jax.default_backend())
-
-
-def default_rows_per_block(backend: str | None) -> int:
-    """Rows per program: one on GPU (a row's tile already fills a warp group's registers), a
-    sublane-friendly 8 on TPU, many in interpret mode (where each program costs a loop trip)."""
-    return {"triton": 1, "mosaic_tpu": 8}.get(backend, 512)
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "backend", "rows_per_block"))
-def rejection_sample_pallas(p, q, draft, seeds, interpret: bool = False, backend: str | None = "default",
-                            rows_per_block: int | None = None):
+@functools.partial(jax.jit, static_argnames=("interpret", "backend", "rows_per_block", "vocab_tile"))
+def rejection_sample_pallas(p, q, draft, seeds, interpret=False, backend: str | None = "default",
+                            rows_per_block: int | None = None, vocab_tile: int | None = None):
     """Pallas version of :func:`rejection_sample_reference` (same arguments and results).
 
-    `backend`: "triton" | "mosaic_tpu" | None; "default" picks from the running backend. Set it
-    explicitly to lower for a platform that is not present (e.g. `jax.export` for cuda/tpu).
+    Args:
+      p, q, draft, seeds: as :func:`rejection_sample_reference`.
+      interpret: False, True (Pallas interpret mode) or a `pltpu.InterpretParams` (TPU
+        interpret mode: TPU memory spaces and DMAs simulated on CPU).
+      backend: "mosaic_tpu" | "triton" | "mosaic_gpu" | None; "default": None on CPU, else the
+        first that lowers on the running platform (`choose_kernel_backend`). Set it explicitly
+        to lower for a platform that is not present (`jax.export`), or to interpret a
+        backend's layout on CPU.
+      rows_per_block, vocab_tile: override `kernel_plan`'s choice.
+
+    Returns:
+      (n_accepted [B], tokens [B, K+1]).
     """
-    if backend == "default":
-        backend = default_kernel_backend()
-    b = p.shape[0]
-    r = min(rows_per_block or default_rows_per_block(None if interpret else backend), b)
-    p_pad, q_pad, d_pad, seeds_pad, k, v = _prepare(p, q, draft, seeds)
-    bp = pl.cdiv(b, r) * r  # pad rows to whole blocks; padded rows are sliced off below
-    if bp != b:
-        rows = lambda x, fill=0: jnp.pad(x, ((0, bp - b),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)
-        p_pad, d_pad, seeds_pad = rows(p_pad), rows(d_pad, -1), rows(seeds_pad)
-        q_pad = None if q_pad is None else rows(q_pad)
-    _, n_pos, vp = p_pad.shape
-    blk = lambda i: (i, 0, 0)
-    in_specs = [
-        pl.BlockSpec((r, 1, 1), blk),
-        pl.BlockSpec((r, 1, n_pos), blk),
-        pl.BlockSpec((r, n_pos, vp), blk),
-    ]
-    args = [seeds_pad.reshape(bp, 1, 1), d_pad.reshape(bp, 1, n_pos), p_pad]
-    if q_pad is not None:
-        in_specs.append(pl.BlockSpec((r, n_pos, vp), blk))
-        args.append(q_pad)
-    out_spec = pl.BlockSpec((r, 1, n_pos), blk)
-    winner, accept = pl.pallas_call(
-        functools.partial(_kernel, tile=_vocab_tile(v), has_q=q is not None),
-        grid=(bp // r,),
-        in_specs=in_specs,
-        out_specs=[out_spec, out_spec],
-        out_shape=[jax.ShapeDtypeStruct((bp, 1, n_pos), jnp.int32)] * 2,
+    b, kp1, v = p.shape
+    if backend == "default" and _platform() == "cpu":
+        backend = None
+    elif backend == "default":
+        backend = choose_kernel_backend(_platform(), p.shape, jnp.dtype(p.dtype).name, q is not None)
+        if backend is None:
+            raise ValueError(f"no Pallas backend lowers the kernel on {_platform()}; use the reference")
+    k = kp1 - 1
+    rows = rows_per_block or (None if interpret is not True else default_rows_per_block(None))
+    plan = kernel_plan(backend, b, k, v, p.dtype, q is not None, rows=rows, tile=vocab_tile)
+    specs = kernel_specs(plan)
+    d_ext = jnp.pad(draft.astype(jnp.int32), ((0, 0), (0, plan.positions - k)), constant_values=-1)  # [B, P]
+    seeds = seeds.astype(jnp.uint32)
+    vocab_args = [p] + ([q] if q is not None else [])
+    if plan.layout == "split":  # GPU: whole row blocks, whole tiles, power-of-two positions
+        bp = plan.grid[0] * plan.rows
+        pad = lambda x: jnp.pad(x, ((0, bp - b), (0, plan.positions - x.shape[1]), (0, plan.vocab_padded - v)))
+        vocab_args = [pad(x) for x in vocab_args]  # [Bp, P, Vp]
+        seeds, d_ext = jnp.pad(seeds, (0, bp - b)), jnp.pad(d_ext, ((0, bp - b), (0, 0)), constant_values=-1)
+    kernel = _reduce_kernel if plan.layout == "reduce" else _split_kernel
+    outs = pl.pallas_call(
+        functools.partial(kernel, k=k, vocab=v, chunk=plan.chunk, has_q=q is not None),
+        grid=plan.grid,
+        in_specs=list(specs.in_specs),
+        out_specs=list(specs.out_specs),
+        out_shape=list(specs.out_shape),
+        scratch_shapes=list(specs.scratch_shapes),
         interpret=interpret,
-        compiler_params=None if interpret else _compiler_params(backend),
+        compiler_params=_compiler_params(plan, interpret),
         name="rejection_sample",
-    )(*args)
-    winner, accept = winner[:b, 0, : k + 1], accept[:b, 0, : k + 1].astype(bool)
-    return _finish(winner, accept, d_pad[:b], k)
+    )(seeds.reshape(-1, 1, 1), d_ext.reshape(d_ext.shape[0], 1, -1), *vocab_args)
+    if plan.layout == "reduce":
+        winner, accept = outs[0][:, 0], outs[1][:, 0].astype(bool)  # [B, P]
+    else:
+        winner, accept = _combine_tiles(seeds[:b], *(x[:b] for x in outs))
+    return _finish(winner[:, :kp1], accept[:, :kp1], d_ext[:b], k)
+
+
+# ---- backend choice and dispatch ---------------------------------------------------------------
+
+
+def _version(version: str | None) -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", version or jax.__version__).groups()
+    return int(major), int(minor)
+
+
+def gpu_kernel_backends(version: str | None = None) -> tuple[str, ...]:
+    """GPU backends in order of preference for a jax version (default: the installed one).
+
+    Pallas' Triton backend is deprecated from jax 0.11 in favour of Mosaic GPU, so 0.11 and
+    later try Mosaic GPU first; earlier versions, where Triton is the mature GPU path, Triton."""
+    return ("mosaic_gpu", "triton") if _version(version) >= (0, 11) else ("triton", "mosaic_gpu")
+
+
+def default_kernel_backend(platform: str | None = None) -> str | None:
+    """The preferred backend on `platform` (default: the running one), before any lowering is
+    tried: the first of `gpu_kernel_backends()` on GPU, Mosaic on TPU, None (interpret) on CPU."""
+    platform = platform or jax.default_backend()
+    if platform in ("gpu", "cuda"):
+        return gpu_kernel_backends()[0]
+    return {"tpu": "mosaic_tpu"}.get(platform)
+
+
+_CUSTOM_CALLS = {"mosaic_tpu": "tpu_custom_call", "triton": "__gpu$xla.gpu.triton", "mosaic_gpu": "mosaic_gpu_v2"}
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_lowers(backend: str, platform: str, p_shape: tuple, dtype: str, has_q: bool) -> bool:
+    """Whether the kernel lowers for `platform` with `backend` at this shape (`jax.export`; no
+    device needed). Lowering is not compiling: only a device proves that."""
+    from jax import export
+
+    b, kp1, v = p_shape
+    args = [jax.ShapeDtypeStruct(p_shape, dtype), jax.ShapeDtypeStruct((b, kp1 - 1, v), dtype) if has_q else None,
+            jax.ShapeDtypeStruct((b, kp1 - 1), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.uint32)]
+    fn = jax.jit(lambda p, q, d, s: rejection_sample_pallas(p, q, d, s, backend=backend))
+    checks = [export.DisabledSafetyCheck.custom_call(_CUSTOM_CALLS[backend])]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # Triton on jax >= 0.11
+            export.export(fn, platforms=[platform], disabled_checks=checks)(*args)
+    except Exception:  # any lowering failure means: use another backend
+        return False
+    return True
+
+
+def choose_kernel_backend(platform: str, p_shape: tuple, dtype: str, has_q: bool,
+                          version: str | None = None) -> str | None:
+    """The first backend for `platform` that lowers the kernel at this shape, None if none does
+    (then `rejection_sample` uses the jnp reference)."""
+    candidates = gpu_kernel_backends(version) if platform in ("gpu", "cuda") else ("mosaic_tpu",) * (platform == "tpu")
+    plat = "cuda" if platform == "gpu" else platform
+    return next((be for be in candidates if kernel_lowers(be, plat, tuple(p_shape), dtype, has_q)), None)
+
+
+def _platform() -> str:
+    return jax.default_backend()
 
 
 def rejection_sample(p, q, draft, seeds, implementation: str = "auto"):
-    """Dispatch: "pallas" (interpret mode on CPU), "reference", or "auto" (Pallas on GPU/TPU,
-    the jnp reference on CPU, where interpret mode is a correctness tool, not a fast path)."""
+    """Dispatch between the Pallas kernel and the jnp reference (same results).
+
+    implementation: "pallas" (interpret mode on CPU), "reference", or "auto": the jnp reference
+    on CPU (where interpret mode is a correctness tool, not a fast path); on GPU/TPU the kernel
+    with the first backend that lowers (`choose_kernel_backend`), else the reference.
+    """
+    platform = _platform()
+    cpu = platform == "cpu"
     if implementation == "auto":
-        implementation = "reference" if jax.default_backend() == "cpu" else "pallas"
+        if cpu:
+            return rejection_sample_reference(p, q, draft, seeds)
+        backend = choose_kernel_backend(platform, p.shape, jnp.dtype(p.dtype).name, q is not None)
+        if backend is None:
+            return rejection_sample_reference(p, q, draft, seeds)
+        return rejection_sample_pallas(p, q, draft, seeds, backend=backend)
     if implementation == "reference":
         return rejection_sample_reference(p, q, draft, seeds)
     if implementation == "pallas":
-        return rejection_sample_pallas(p, q, draft, seeds, interpret=jax.default_backend() == "cpu")
+        return rejection_sample_pallas(p, q, draft, seeds, interpret=cpu)
     raise ValueError(f"unknown implementation {implementation!r} (auto, pallas, reference)")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from pallas_kernels import rejection_sampling as rs
 from pallas_kernels.rejection_sampling import (
     hash_uniform,
     rejection_sample,
@@ -184,6 +185,123 @@ def test_pallas_equals_reference_large_vocab_and_odd_batch():
         np.testing.assert_array_equal(np.asarray(r[1]), np.asarray(pk[1]))
 
 
+def random_step(b, k, v, seed=1, dtype=jnp.float32):
+    """Random p [B, K+1, V], q [B, K, V] (peaked, so races are not all near ties), drafts, seeds."""
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    p = jax.nn.softmax(jax.random.normal(k1, (b, k + 1, v)) * 3, -1).astype(dtype)
+    q = jax.nn.softmax(jax.random.normal(k2, (b, k, v)) * 3, -1).astype(dtype)
+    d = jax.random.randint(k3, (b, k), 0, v)
+    return p, q, d, jnp.arange(b, dtype=jnp.uint32) * 977 + seed
+
+
+def assert_same(a, b):
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+    np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+
+
+@pytest.mark.parametrize("backend", [None, "mosaic_tpu", "triton", "mosaic_gpu"])
+@pytest.mark.parametrize("k,v,tile", [(1, 1000, 128), (4, 1000, 256), (9, 700, 128)])
+def test_vocab_tiles_equal_reference(backend, k, v, tile):
+    """Several vocab tiles, a ragged last tile (V not a multiple of the tile), ragged row blocks;
+    the reduce layout (None, Mosaic TPU) and the split layout (GPU backends), interpreted."""
+    p, q, d, seeds = random_step(5, k, v)
+    plan = rs.kernel_plan(backend, 5, k, v, p.dtype, rows=2, tile=tile)
+    assert plan.n_tiles >= 3 and v % tile
+    for qq in (q, None):
+        want = rejection_sample_reference(p, qq, d, seeds)
+        assert_same(want, rejection_sample_pallas(p, qq, d, seeds, interpret=True, backend=backend, rows_per_block=2,
+                                                  vocab_tile=tile))
+
+
+def test_vocab_tiles_bf16_inputs_equal_reference():
+    """bf16 p and q stay bf16 in the blocks; the kernel computes in f32, like the reference."""
+    p, q, d, seeds = random_step(3, 3, 600, dtype=jnp.bfloat16)
+    for backend in (None, "triton"):
+        assert_same(rejection_sample_reference(p, q, d, seeds),
+                    rejection_sample_pallas(p, q, d, seeds, interpret=True, backend=backend, vocab_tile=128))
+
+
+def tpu_interpret_params(**kw):
+    from jax.experimental.pallas import tpu as pltpu
+
+    if not hasattr(pltpu, "InterpretParams"):
+        pytest.skip("this jax has no TPU interpret mode")
+    return pltpu.InterpretParams(**kw)  # out-of-bounds reads raise; buffers start as NaN
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+@pytest.mark.parametrize("tile", [256, None])
+def test_tpu_interpret_mode_equals_reference(with_q, tile):
+    """The Mosaic TPU layout under TPU interpret mode (VMEM, DMAs and the sequential vocab axis
+    simulated): blocks overhang the K+1 positions, the last row block and the last vocab tile."""
+    visited = []
+
+    def record(token, grid_point, core):
+        visited.append(tuple(int(i) for i in grid_point))
+        return token
+
+    params = tpu_interpret_params(grid_point_recorder=record)
+    p, q, d, seeds = random_step(3, 4, 1000, seed=4)
+    qq = q if with_q else None
+    got = rejection_sample_pallas(p, qq, d, seeds, interpret=params, backend="mosaic_tpu", rows_per_block=2,
+                                  vocab_tile=tile)
+    assert_same(rejection_sample_reference(p, qq, d, seeds), got)
+    plan = rs.kernel_plan("mosaic_tpu", 3, 4, 1000, p.dtype, with_q, rows=2, tile=tile)
+    rows, tiles = plan.grid
+    assert sorted(visited) == [(i, j) for i in range(rows) for j in range(tiles)]  # every program once
+    for i in range(rows):  # the vocab axis runs in order within a row block
+        assert [j for r, j in visited if r == i] == list(range(tiles))
+
+
+# ---- block budgets ---------------------------------------------------------------------------
+
+BUDGET_VOCABS = [32000, 49152, 128256, 151936]
+
+
+@pytest.mark.parametrize("backend", ["mosaic_tpu", "triton", "mosaic_gpu"])
+@pytest.mark.parametrize("vocab", BUDGET_VOCABS)
+def test_blocks_fit_the_budget(backend, vocab):
+    """Every program's blocks (double buffered inputs and outputs, scratch, TPU temporaries) fit
+    the backend's budget for K = 1..16, f32 and bf16, dense and one-hot q, batch 1..64."""
+    budget = rs.memory_budget(backend)
+    assert budget <= (8 << 20 if backend == "mosaic_tpu" else 96 << 10)
+    for k in range(1, 17):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            for has_q in (True, False):
+                for batch in (1, 8, 64):
+                    plan = rs.kernel_plan(backend, batch, k, vocab, dtype, has_q)
+                    got = rs.block_bytes(plan)
+                    where = (backend, vocab, k, jnp.dtype(dtype).name, has_q, batch, got)
+                    assert got["total"] <= budget, where
+                    assert plan.n_tiles * plan.tile >= vocab > (plan.n_tiles - 1) * plan.tile, where
+                    assert plan.tile % 128 == 0 and plan.tile % plan.chunk == 0, where
+                    if backend == "mosaic_tpu":
+                        assert plan.positions % 8 == 0 and plan.positions >= k + 1, where
+                    else:
+                        assert got["largest_block"] <= rs.GPU_MAX_BLOCK_ELEMENTS, where
+                        assert plan.tile & (plan.tile - 1) == 0 and plan.positions & (plan.positions - 1) == 0, where
+
+
+def test_block_bytes_follow_the_specs():
+    """The calculator reads the BlockSpecs the kernel is built with; a whole-vocab block (the
+    untiled layout) would not fit the TPU budget at 128k vocab."""
+    plan = rs.kernel_plan("mosaic_tpu", 8, 7, 128256, jnp.float32)
+    specs = rs.kernel_specs(plan)
+    assert specs.in_specs[2].block_shape == (8, 8, plan.tile) == specs.in_specs[3].block_shape
+    assert len(specs.scratch_shapes) == 6 and plan.grid == (1, pl_cdiv(128256, plan.tile))
+    assert rs._compiler_params(plan, False).dimension_semantics == ("parallel", "arbitrary")
+    got = rs.block_bytes(plan)
+    assert got["inputs"] >= 2 * 2 * 8 * 8 * plan.tile * 4
+    whole = rs.kernel_plan("mosaic_tpu", 8, 7, 128256, jnp.float32, tile=128256 // 128 * 128 + 128)
+    assert rs.block_bytes(whole)["total"] > 16 << 20
+    with pytest.raises(ValueError):
+        rs.kernel_plan("triton", 8, 7, 128256, jnp.float32, tile=384)
+
+
+def pl_cdiv(a, b):
+    return -(-a // b)
+
+
 # ---- exact table cases ---------------------------------------------------------------------
 
 
@@ -272,14 +390,14 @@ def test_hash_uniform_is_uniform():
 
 @pytest.mark.parametrize("platform,backend", [("tpu", "mosaic_tpu"), ("cuda", "triton")])
 @pytest.mark.parametrize("with_q", [True, False])
-def test_kernel_lowers_for_accelerators(platform, backend, with_q):
-    """The kernel lowers to Mosaic (TPU) and Triton (GPU) IR from this CPU-only machine."""
+@pytest.mark.parametrize("b,k,v,dtype", [(2, 5, 49152, jnp.float32), (8, 16, 151936, jnp.bfloat16)])
+def test_kernel_lowers_for_accelerators(platform, backend, with_q, b, k, v, dtype):
+    """The tiled kernel lowers to Mosaic (TPU) and Triton (GPU) IR from this CPU-only machine."""
     from jax import export
 
-    b, k, v = 2, 5, 49152
     args = [
-        jax.ShapeDtypeStruct((b, k + 1, v), jnp.float32),
-        jax.ShapeDtypeStruct((b, k, v), jnp.float32),
+        jax.ShapeDtypeStruct((b, k + 1, v), dtype),
+        jax.ShapeDtypeStruct((b, k, v), dtype),
         jax.ShapeDtypeStruct((b, k), jnp.int32),
         jax.ShapeDtypeStruct((b,), jnp.uint32),
     ]
@@ -292,6 +410,36 @@ def test_kernel_lowers_for_accelerators(platform, backend, with_q):
         jax.jit(f), platforms=[platform], disabled_checks=[export.DisabledSafetyCheck.custom_call(target)]
     )(*args)
     assert target in exp.mlir_module()
+
+
+def test_gpu_backend_follows_the_jax_version():
+    """Pallas Triton is deprecated from jax 0.11: Mosaic GPU first there, Triton first before."""
+    assert rs.gpu_kernel_backends("0.10.2") == ("triton", "mosaic_gpu")
+    assert rs.gpu_kernel_backends("0.11.2") == ("mosaic_gpu", "triton")
+    assert rs.gpu_kernel_backends("0.12.0.dev20260801") == ("mosaic_gpu", "triton")
+    assert rs.gpu_kernel_backends("1.0") == ("mosaic_gpu", "triton")
+    assert rs.default_kernel_backend("cuda") == rs.gpu_kernel_backends()[0]
+    assert rs.default_kernel_backend("tpu") == "mosaic_tpu" and rs.default_kernel_backend("cpu") is None
+
+
+@pytest.mark.parametrize("version", ["0.10.2", "0.11.2"])
+def test_backend_choice_is_the_first_that_lowers(version):
+    """By lowering on this jax: the choice is the first backend in the version's order whose
+    `jax.export` for cuda succeeds (Triton lowers on 0.10 and 0.11; see docs/accelerators.md
+    for Mosaic GPU)."""
+    shape, order = (2, 8, 49152), rs.gpu_kernel_backends(version)
+    lowers = {be: rs.kernel_lowers(be, "cuda", shape, "float32", True) for be in order}
+    assert lowers["triton"]
+    assert rs.choose_kernel_backend("cuda", shape, "float32", True, version) == next(be for be in order if lowers[be])
+    assert rs.choose_kernel_backend("tpu", shape, "float32", True, version) == "mosaic_tpu"
+
+
+def test_auto_falls_back_to_the_reference_when_no_backend_lowers(monkeypatch):
+    p, q, d, seeds = random_step(2, 3, 300)
+    monkeypatch.setattr(rs, "_platform", lambda: "gpu")
+    monkeypatch.setattr(rs, "kernel_lowers", lambda *a: False)
+    assert rs.choose_kernel_backend("gpu", p.shape, "float32", True) is None
+    assert_same(rejection_sample_reference(p, q, d, seeds), rejection_sample(p, q, d, seeds, "auto"))
 
 
 def test_implementation_switch():
