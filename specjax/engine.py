@@ -61,22 +61,15 @@ def bucket_prompt(n: int) -> int:
     return bucket_pow2(n) if n <= 1024 else bucket_multiple(n, 1024)
 
 
-# A row that does not verify defers its drafter's commits over up to this many plain steps and
-# catches them up in one pass: on XLA CPU a pass over 16 positions costs ~4.4 one-position
-# passes, over K + 1 = 4 ~2.7 (docs/performance.md), so upkeep per position drops ~2.5x.
-PENDING_WIDTH = 16
-
-
 @struct.dataclass
 class Pending:
     """The plain steps since the drafter last committed, for drafters with `lazy_commit` under a
-    speculation policy: each row's last `count` emitted tokens (count <= P = `pending_width`, the
-    same for every row that ran those steps) and the target states the drafter's commit reads for
-    them."""
+    speculation policy: each row's last `count` emitted tokens (count <= K + 1, the same for every
+    row that ran those steps) and the target states the drafter's commit reads for them."""
 
     count: jax.Array  # [B] int32
-    hidden: Any  # [n, B, P, D] hidden states of `hidden_layers` at those positions, or None
-    final: Any  # [B, P, D] final normed hidden at those positions, or None
+    hidden: Any  # [n, B, K + 1, D] hidden states of `hidden_layers` at those positions, or None
+    final: Any  # [B, K + 1, D] final normed hidden at those positions, or None
 
 
 @struct.dataclass
@@ -211,26 +204,21 @@ def defers_commits(drafter: Drafter, policy) -> bool:
     return policy is not None and drafter.num_draft > 0 and drafter.proposal_optional and drafter.lazy_commit
 
 
-def pending_width(drafter: Drafter) -> int:
-    """P, the most plain steps whose commits are deferred (static); at least a verify's K + 1."""
-    return max(drafter.num_draft + 1, PENDING_WIDTH)
-
-
 def new_pending(drafter: Drafter, b: int, pre_hidden, pre_final) -> Pending:
     """No deferred steps; buffers shaped after the prefill's hidden `[n, B, T, D]` and final
     `[B, T, D]` states (None when the drafter reads none)."""
-    w = pending_width(drafter)
+    w = drafter.num_draft + 1
     hidden = None if pre_hidden is None else jnp.zeros(pre_hidden.shape[:2] + (w, pre_hidden.shape[3]),
-                                                       pre_hidden.dtype)  # [n, B, P, D]
-    final = None if pre_final is None else jnp.zeros((b, w, pre_final.shape[2]), pre_final.dtype)  # [B, P, D]
+                                                       pre_hidden.dtype)  # [n, B, K+1, D]
+    final = None if pre_final is None else jnp.zeros((b, w, pre_final.shape[2]), pre_final.dtype)  # [B, K+1, D]
     return Pending(jnp.zeros((b,), jnp.int32), hidden, final)
 
 
 def defer(pend: Pending, live, hidden, final) -> Pending:
     """Add a plain step to `pend`: live [B] bool, hidden [n, B, >= 1, D] / final [B, >= 1, D] the
     step's target states (position 0 is the emitted token's). Rows not running add nothing."""
-    def put(buf, new, axis):  # buf [..., B, P, D]: the row's next slot gets new [..., B, 1, D]
-        slot = (jnp.arange(buf.shape[axis])[None] == pend.count[:, None]) & live[:, None]  # [B, P]
+    def put(buf, new, axis):  # buf [..., B, K+1, D]: the row's next slot gets new [..., B, 1, D]
+        slot = (jnp.arange(buf.shape[axis])[None] == pend.count[:, None]) & live[:, None]  # [B, K+1]
         return jnp.where(slot[..., None], new, buf)
 
     return pend.replace(count=pend.count + live,
@@ -240,20 +228,12 @@ def defer(pend: Pending, live, hidden, final) -> Pending:
 
 def catch_up(drafter: Drafter, dparams, dstate, pend: Pending, history, hist_len):
     """Commit the deferred steps in one context, as if one verify step had emitted each row's last
-    `count` tokens (n_accepted = count - 1; -1: none): a pass over K + 1 positions when every count
-    fits in it, else over all P. Returns (drafter state, empty Pending)."""
-    def commit(w):
-        idx = hist_len[:, None] - pend.count[:, None] + jnp.arange(w)[None]  # [B, w]
-        tokens = jnp.take_along_axis(history, jnp.clip(idx, 0, history.shape[1] - 1), axis=1)  # [B, w]
-        hidden = None if pend.hidden is None else pend.hidden[:, :, :w]  # [n, B, w, D]
-        final = None if pend.final is None else pend.final[:, :w]  # [B, w, D]
-        ctx = CommitContext(pend.count - 1, tokens, history, hist_len, pend.count > 0, hidden, final)
-        return drafter.catch_up(dparams, dstate, ctx)
-
-    k, p = drafter.num_draft, pending_width(drafter)
-    dstate = commit(p) if p == k + 1 else jax.lax.cond(jnp.max(pend.count) <= k + 1,
-                                                       lambda: commit(k + 1), lambda: commit(p))
-    return dstate, pend.replace(count=jnp.zeros_like(pend.count))
+    `count` tokens (n_accepted = count - 1; -1: none). Returns (drafter state, empty Pending)."""
+    w = drafter.num_draft + 1
+    idx = hist_len[:, None] - pend.count[:, None] + jnp.arange(w)[None]  # [B, K+1]
+    tokens = jnp.take_along_axis(history, jnp.clip(idx, 0, history.shape[1] - 1), axis=1)  # [B, K+1]
+    ctx = CommitContext(pend.count - 1, tokens, history, hist_len, pend.count > 0, pend.hidden, pend.final)
+    return drafter.catch_up(dparams, dstate, ctx), pend.replace(count=jnp.zeros_like(pend.count))
 
 
 def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: bool,
@@ -265,8 +245,8 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     drafter's `commit` runs at K = 0 too, so drafter state stays current across plain steps
     (the serving scheduler switches K between chunks; NoDrafter's commit does nothing). Under a
     speculation policy, a `lazy_commit` drafter's commits after plain steps are deferred into
-    `st.pending` and caught up in one pass (`catch_up`) before its next proposal or once
-    `pending_width` plain steps have gathered.
+    `st.pending` and caught up in one K + 1 wide pass (`catch_up`) before its next proposal or
+    once K + 1 plain steps have gathered.
     `force_verify` (a bool, or a traced scalar) verifies even when the drafter marks no row
     active: the slot engine times verify steps with the compiled code it serves with.
     """
@@ -400,10 +380,10 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
 
     commit_ctx = CommitContext(n, emitted, history, hist_len, live, hidden, final)
     if lazy:
-        # A plain step joins the deferred ones; P of them are committed at once.
+        # A plain step joins the deferred ones; K + 1 of them are committed at once.
         def deferred():
             pend = defer(pending, live, hidden, final)
-            return jax.lax.cond(jnp.any(pend.count >= pending_width(drafter)),
+            return jax.lax.cond(jnp.any(pend.count > k),
                                 lambda: catch_up(drafter, dparams, dstate, pend, history, hist_len),
                                 lambda: (dstate, pend))
 
@@ -494,9 +474,7 @@ class Engine:
         b = len(prompt_ids)
         lens = [len(p) for p in prompt_ids]
         max_new = max(p.max_new_tokens for p in params)
-        lazy = defers_commits(drafter, spec_mode)
-        # A catch-up pass writes the drafter's caches up to P positions past its committed length.
-        t, s = self.shapes(lens, max_new, pending_width(drafter) if lazy else drafter.num_draft)
+        t, s = self.shapes(lens, max_new, drafter.num_draft)
         prompt = np.zeros((b, t), np.int32)
         for i, p in enumerate(prompt_ids):
             prompt[i, : len(p)] = p

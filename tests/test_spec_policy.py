@@ -130,11 +130,9 @@ def test_policy_rule_on_observations():
 
 def test_skipping_proposals_leaves_every_decision_unchanged(default_model, real):
     """On steps where no row may verify the engine skips the drafter's proposal and, for
-    `lazy_commit` drafters, defers its commits (caught up before the next proposal, in a K + 1 or
-    a `pending_width` wide pass, or once `pending_width` have gathered); every later draft (and so
-    each row's checks, accepts and decisions) equals a run that proposed and committed on every
-    step. Greedy, the real model, every shipped drafter, under a table where rows switch and one
-    where they mostly wait (waits of 8 and 16 steps: wide catch-ups)."""
+    `lazy_commit` drafters, defers its commits (caught up K + 1 at a time or before the next
+    proposal); every later draft (and so each row's checks, accepts and decisions) equals a run
+    that proposed and committed on every step. Greedy, the real model, every shipped drafter."""
     import copy
 
     engine, ids, plain = real
@@ -144,19 +142,15 @@ def test_skipping_proposals_leaves_every_decision_unchanged(default_model, real)
         assert d.proposal_optional
         always_proposes = copy.copy(d)
         always_proposes.proposal_optional = False
-        for cost in (2.0, 0.95 * (k + 1)):
-            table = policy_costs.cost_table(k, cost)
-            got = engine.generate(ids, params, eos_ids=default_model.config.eos_token_ids, drafter=d,
-                                  spec_mode=policy_rows.AUTO, costs=table)
-            ref = engine.generate(ids, params, eos_ids=default_model.config.eos_token_ids,
-                                  drafter=always_proposes, spec_mode=policy_rows.AUTO, costs=table)
-            for g, r, p in zip(got, ref, plain):
-                assert g.token_ids == r.token_ids == p.token_ids, kind
-                assert (g.steps, g.checked, g.accepted) == (r.steps, r.checked, r.accepted), kind
-            assert any(g.checked[0] < g.steps for g in got), kind  # some steps were plain (skipped)
-            if cost > 2.0 and kind != "ngram":
-                # Every probe failed: verify steps 0, 2, 6, 14, 30, so deferred runs of 7 and 15 plain steps.
-                assert any(g.steps >= 31 and g.checked[0] <= 5 for g in got), (kind, [(g.steps, g.checked[0]) for g in got])
+        table = policy_costs.cost_table(k, 2.0)
+        got = engine.generate(ids, params, eos_ids=default_model.config.eos_token_ids, drafter=d,
+                              spec_mode=policy_rows.AUTO, costs=table)
+        ref = engine.generate(ids, params, eos_ids=default_model.config.eos_token_ids, drafter=always_proposes,
+                              spec_mode=policy_rows.AUTO, costs=table)
+        for g, r, p in zip(got, ref, plain):
+            assert g.token_ids == r.token_ids == p.token_ids, kind
+            assert (g.steps, g.checked, g.accepted) == (r.steps, r.checked, r.accepted), kind
+        assert any(g.checked[0] < g.steps for g in got), kind  # some steps were plain (skipped)
 
 
 def test_generate_auto_measures_costs_once_and_caches_them_on_disk(default_model, real, tmp_path, monkeypatch):

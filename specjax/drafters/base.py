@@ -98,9 +98,9 @@ class Drafter:
     # speculation policy lets no row verify (specjax/policy/rows.py).
     proposal_optional: bool = False
     # Whether the engine may defer `commit` after plain steps under a speculation policy: it keeps
-    # up to P >= K + 1 plain steps' target states (`Pending`, specjax/engine.py) and hands them to
-    # `catch_up` in one context before the next proposal or once P have gathered, so a row that
-    # does not verify pays its drafter's upkeep once per P steps, in one wider pass.
+    # up to K + 1 plain steps' target states (`Pending`, specjax/engine.py) and hands them to
+    # `catch_up` in one context before the next proposal or once K + 1 have gathered, so a row
+    # that does not verify pays its drafter's upkeep once per K + 1 steps, in one wider pass.
     lazy_commit: bool = False
 
     def __init__(self, num_draft: int):
@@ -130,8 +130,8 @@ class Drafter:
 
     def catch_up(self, dparams, state, ctx: CommitContext) -> Any:
         """The state after deferred plain steps (`lazy_commit`): `ctx` is shaped as a verify step's
-        but of width K + 1 or P > K + 1, and holds each row's last `n_accepted + 1` emitted tokens
-        and their target states, which `propose` never saw. Must equal committing those steps one at a time (up to
+        (width K + 1) and holds each row's last `n_accepted + 1` emitted tokens and their target
+        states, which `propose` never saw. Must equal committing those steps one at a time (up to
         float rounding). Default: `commit`, for drafters whose commit reads only the history and
         the target states."""
         return self.commit(dparams, state, ctx)
