@@ -507,15 +507,6 @@ def gpu_kernel_backends(version: str | None = None) -> tuple[str, ...]:
     return ("mosaic_gpu", "triton") if _version(version) >= (0, 11) else ("triton", "mosaic_gpu")
 
 
-def default_kernel_backend(platform: str | None = None) -> str | None:
-    """The preferred backend on `platform` (default: the running one), before any lowering is
-    tried: the first of `gpu_kernel_backends()` on GPU, Mosaic on TPU, None (interpret) on CPU."""
-    platform = platform or jax.default_backend()
-    if platform in ("gpu", "cuda"):
-        return gpu_kernel_backends()[0]
-    return {"tpu": "mosaic_tpu"}.get(platform)
-
-
 _CUSTOM_CALLS = {"mosaic_tpu": "tpu_custom_call", "triton": "__gpu$xla.gpu.triton", "mosaic_gpu": "mosaic_gpu_v2"}
 
 
