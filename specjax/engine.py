@@ -63,9 +63,9 @@ def bucket_prompt(n: int) -> int:
 
 @struct.dataclass
 class Pending:
-    """The plain steps since the drafter last committed, for drafters with `lazy_commit` under a
-    speculation policy: each row's last `count` emitted tokens (count <= K + 1, the same for every
-    row that ran those steps) and the target states the drafter's commit reads for them."""
+    """The emitted tokens the drafter has not committed yet, for drafters with `lazy_commit` under
+    a speculation policy: each row's last `count` emitted tokens (count <= K + 1) and the target
+    states the drafter's commit reads for them (slot i: the pass position that emitted token i)."""
 
     count: jax.Array  # [B] int32
     hidden: Any  # [n, B, K + 1, D] hidden states of `hidden_layers` at those positions, or None
@@ -199,8 +199,8 @@ def init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_
 
 
 def defers_commits(drafter: Drafter, policy) -> bool:
-    """Whether the loop defers the drafter's commits after plain steps (static): under a
-    speculation policy, for drafters whose proposal is optional and whose commits may be deferred."""
+    """Whether the loop defers the drafter's commits (static): under a speculation policy, for
+    drafters whose proposal is optional and whose commits may be deferred."""
     return policy is not None and drafter.num_draft > 0 and drafter.proposal_optional and drafter.lazy_commit
 
 
@@ -214,20 +214,25 @@ def new_pending(drafter: Drafter, b: int, pre_hidden, pre_final) -> Pending:
     return Pending(jnp.zeros((b,), jnp.int32), hidden, final)
 
 
-def defer(pend: Pending, live, hidden, final) -> Pending:
-    """Add a plain step to `pend`: live [B] bool, hidden [n, B, >= 1, D] / final [B, >= 1, D] the
-    step's target states (position 0 is the emitted token's). Rows not running add nothing."""
-    def put(buf, new, axis):  # buf [..., B, K+1, D]: the row's next slot gets new [..., B, 1, D]
-        slot = (jnp.arange(buf.shape[axis])[None] == pend.count[:, None]) & live[:, None]  # [B, K+1]
-        return jnp.where(slot[..., None], new, buf)
+def defer(pend: Pending, n_emit, hidden, final) -> Pending:
+    """Add a step's emitted tokens to `pend`: n_emit [B] tokens each row added to the history (0
+    when not running), hidden [n, B, K + 1, D] / final [B, K + 1, D] the step's target states
+    (position j emitted token j). The caller keeps count + n_emit <= K + 1."""
+    def put(buf, new, axis):  # buf, new [..., B, K+1, D]: slot count + j of a row gets new position j
+        src = jnp.arange(buf.shape[axis])[None] - pend.count[:, None]  # [B, K+1]
+        take = (src >= 0) & (src < n_emit[:, None])
+        shape = (1,) * (buf.ndim - 3) + src.shape + (1,)
+        moved = jnp.take_along_axis(new, jnp.broadcast_to(jnp.clip(src, 0, buf.shape[axis] - 1).reshape(shape),
+                                                          new.shape), axis=axis)
+        return jnp.where(take.reshape(shape), moved, buf)
 
-    return pend.replace(count=pend.count + live,
-                        hidden=None if pend.hidden is None else put(pend.hidden, hidden[:, :, :1], 2),
-                        final=None if pend.final is None else put(pend.final, final[:, :1], 1))
+    return pend.replace(count=pend.count + n_emit,
+                        hidden=None if pend.hidden is None else put(pend.hidden, hidden, 2),
+                        final=None if pend.final is None else put(pend.final, final, 1))
 
 
 def catch_up(drafter: Drafter, dparams, dstate, pend: Pending, history, hist_len):
-    """Commit the deferred steps in one context, as if one verify step had emitted each row's last
+    """Commit the deferred tokens in one context, as if one verify step had emitted each row's last
     `count` tokens (n_accepted = count - 1; -1: none). Returns (drafter state, empty Pending)."""
     w = drafter.num_draft + 1
     idx = hist_len[:, None] - pend.count[:, None] + jnp.arange(w)[None]  # [B, K+1]
@@ -244,9 +249,11 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     (greedy fast path when no row samples), so one compiled step serves any mix of rows. The
     drafter's `commit` runs at K = 0 too, so drafter state stays current across plain steps
     (the serving scheduler switches K between chunks; NoDrafter's commit does nothing). Under a
-    speculation policy, a `lazy_commit` drafter's commits after plain steps are deferred into
-    `st.pending` and caught up in one K + 1 wide pass (`catch_up`) before its next proposal or
-    once K + 1 plain steps have gathered.
+    speculation policy, a `lazy_commit` drafter's commits are deferred: every step's emitted
+    tokens join `st.pending`, caught up in one K + 1 wide pass (`catch_up`) before the drafter's
+    next proposal or once K + 1 tokens have gathered. The drafter's state is then written in one
+    conditional a step whose other branch passes it through (XLA updates its buffers in place; a
+    conditional whose two branches both wrote them copied every buffer each step).
     `force_verify` (a bool, or a traced scalar) verifies even when the drafter marks no row
     active: the slot engine times verify steps with the compiled code it serves with.
     """
@@ -312,16 +319,21 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
         if pol is not None and drafter.proposal_optional:
             # No row may verify this step: skip the drafter's work (a plain step follows, and its
             # commit keeps the drafter's state current, or is deferred until the drafter is needed).
-            def drafting():
-                dst, pend = st.draft_state, pending
-                if lazy:
-                    dst, pend = catch_up(drafter, dparams, dst, pend, st.history, st.hist_len)
-                return (*drafter.propose(dparams, dst, ctx), pend)
-
+            drafting = jnp.any(on) | force_verify  # []
             shapes = jax.eval_shape(drafter.propose, dparams, st.draft_state, ctx)
             idle = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[0])  # draft [B, K] 0, inactive
-            proposal, dstate, pending = jax.lax.cond(jnp.any(on) | force_verify, drafting,
-                                                     lambda: (idle, st.draft_state, pending))
+            if lazy:
+                def start():
+                    dst, pend = catch_up(drafter, dparams, st.draft_state, pending, st.history, st.hist_len)
+                    return jax.lax.cond(drafting, lambda: (*drafter.propose(dparams, dst, ctx), pend),
+                                        lambda: (idle, dst, pend))
+
+                # Catch up before proposing, or when a plain step would overfill `pending`.
+                proposal, dstate, pending = jax.lax.cond(drafting | jnp.any(pending.count > k), start,
+                                                         lambda: (idle, st.draft_state, pending))
+            else:
+                proposal, dstate = jax.lax.cond(drafting, lambda: drafter.propose(dparams, st.draft_state, ctx),
+                                                lambda: (idle, st.draft_state))
         else:
             proposal, dstate = drafter.propose(dparams, st.draft_state, ctx)
         draft, q = proposal.draft, proposal.q  # [B, K], [B, K, V] | None
@@ -380,15 +392,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
 
     commit_ctx = CommitContext(n, emitted, history, hist_len, live, hidden, final)
     if lazy:
-        # A plain step joins the deferred ones; K + 1 of them are committed at once.
-        def deferred():
-            pend = defer(pending, live, hidden, final)
-            return jax.lax.cond(jnp.any(pend.count > k),
-                                lambda: catch_up(drafter, dparams, dstate, pend, history, hist_len),
-                                lambda: (dstate, pend))
-
-        dstate, pending = jax.lax.cond(plain_pass, deferred,
-                                       lambda: (drafter.commit(dparams, dstate, commit_ctx), pending))
+        pending = defer(pending, n_emit, hidden, final)  # committed by the next step's catch-up
     elif drafter.narrow_commit and plain_pass is not None:
         # A plain step emits one token a row: commit over that position alone, not K + 1.
         narrow = CommitContext(n, emitted[:, :1], history, hist_len, live,
