@@ -106,3 +106,32 @@ def sharp_store(sharp_target, sharp_seqs, tmp_path_factory):
     from train.data import extract_features
 
     return extract_features(sharp_target, sharp_seqs, SHARP_LAYERS, str(tmp_path_factory.mktemp("feat")), 32)
+
+
+@pytest.fixture(scope="session")
+def batch_model_dir(tmp_path_factory, default_model):
+    """A tiny random checkpoint (1 layer, weights with std 0.3 so greedy texts differ from row to
+    row) with the default model's tokenizer and chat template: the batch-job tests' model."""
+    return tiny_checkpoint_with_tokenizer(
+        str(tmp_path_factory.mktemp("batch_model")), default_model.tokenizer,
+        vocab_size=default_model.config.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        initializer_range=0.3)
+
+
+@pytest.fixture(scope="session")
+def batch_model(batch_model_dir):
+    import specjax
+
+    return specjax.load_model(batch_model_dir, quiet=True)
+
+
+@pytest.fixture(scope="session")
+def cli_env(tmp_path_factory) -> dict:
+    """Environment of CLI subprocesses: CPU, no inherited XLA_FLAGS, and one persistent JAX
+    compilation cache, so a restarted process loads what its predecessor compiled (as a real
+    deployment would) instead of spending the test's time compiling it again."""
+    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    e.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    return e

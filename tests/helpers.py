@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -114,3 +115,33 @@ def tiny_checkpoint_with_tokenizer(out_dir: str, tokenizer, seed: int = 0, **con
     LlamaForCausalLM(hf_llama_config(**config)).save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def batch_job_rows() -> list[dict]:
+    """12 greedy rows (prompts and chat messages, one with its own max_new_tokens) and 4 rows
+    sampled at temperature 0.9 with seed 5."""
+    rows = []
+    for i in range(16):
+        if i % 3 == 0:
+            row = {"id": f"q{i}", "messages": [{"role": "user", "content": f"Question {i}: why is the sky blue?"}]}
+        else:
+            row = {"id": f"q{i}", "prompt": f"Tell me about topic number {i}" + " please" * (i % 4)}
+        if i >= 12:
+            row.update(temperature=0.9, seed=5)
+        rows.append(row)
+    rows[4]["max_new_tokens"] = 3
+    rows[5]["id"] = 5  # integer ids are fine too
+    return rows
+
+
+def write_jsonl(path, rows) -> str:
+    """Rows (dicts, or str lines as they are) as a JSONL file at `path`; returns the path."""
+    with open(path, "w") as fh:
+        for r in rows:
+            fh.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+def read_rows(path) -> list[dict]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
