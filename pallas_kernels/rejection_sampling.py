@@ -197,15 +197,6 @@ def _buffer_bytes(shape, dtype, backend: str | None) -> int:
     return math.prod(lead) * sub * (pl.cdiv(lane, 128) * 128) * itemsize
 
 
-def _fixed_bytes(backend, rows, positions, chunk) -> int:
-    """Bytes that do not grow with the tile: seeds, drafts, outputs, scratch, temporaries."""
-    if backend == "mosaic_tpu":
-        small = 2 * (_buffer_bytes((rows, 1, 1), jnp.uint32, backend) + 3 * _buffer_bytes((rows, 1, positions), jnp.int32, backend))
-        scratch = 6 * _buffer_bytes((rows, positions), jnp.float32, backend)
-        return small + scratch + TPU_TEMPORARIES * _buffer_bytes((rows, positions, chunk), jnp.float32, backend)
-    return 2 * (rows * 4 + 7 * rows * positions * 4)  # seeds, drafts, six partial outputs
-
-
 def kernel_plan(backend: str | None, batch: int, k: int, vocab: int, dtype=jnp.float32, has_q: bool = True,
                 rows: int | None = None, tile: int | None = None) -> KernelPlan:
     """The layout the kernel uses for p [batch, k+1, vocab] of `dtype` (pure; no arrays).
@@ -222,32 +213,39 @@ def kernel_plan(backend: str | None, batch: int, k: int, vocab: int, dtype=jnp.f
     Returns:
       KernelPlan.
     """
-    itemsize = jnp.dtype(dtype).itemsize
-    n_in = 2 if has_q else 1
     rows = min(rows or default_rows_per_block(backend), batch)
     if _is_gpu(backend):
         positions = max(8, pl.next_power_of_2(k + 1))  # Triton loads want power-of-two sizes
         cap = min(GPU_MAX_TILE, max(128, pl.next_power_of_2(vocab)))
-        if tile is None:
-            room = GPU_SMEM_BUDGET - _fixed_bytes(backend, rows, positions, 0)
-            fit = room // (n_in * 2 * rows * positions * itemsize)
-            fit = min(fit, GPU_MAX_BLOCK_ELEMENTS // (rows * positions))
-            tile = max(128, min(cap, 1 << (max(fit, 1).bit_length() - 1)))
-        if tile % 128 or tile & (tile - 1):
+        if tile is not None and (tile % 128 or tile & (tile - 1)):
             raise ValueError(f"GPU vocab tile must be a power of two >= 128, got {tile}")
-        return KernelPlan(backend, "split", batch, k, vocab, jnp.dtype(dtype).name, has_q, rows, positions,
-                          tile, tile, pl.cdiv(vocab, tile) * tile)
-    positions = pl.cdiv(k + 1, 8) * 8  # blocks overhang p's K+1 and q's K rows; the kernel masks them
-    cap = min(TPU_MAX_TILE, pl.cdiv(vocab, 128) * 128)
-    if tile is None:
+
+        def plan_of(t):
+            return KernelPlan(backend, "split", batch, k, vocab, jnp.dtype(dtype).name, has_q, rows, positions,
+                              t, t, pl.cdiv(vocab, t) * t)
+
+        candidates = [cap >> i for i in range(cap.bit_length()) if cap >> i >= 128]  # descending
+    else:
+        positions = pl.cdiv(k + 1, 8) * 8  # blocks overhang p's K+1 and q's K rows; the kernel masks them
+        cap = min(TPU_MAX_TILE, pl.cdiv(vocab, 128) * 128)
+        if tile is not None and tile % 128:
+            raise ValueError(f"TPU vocab tile must be a multiple of 128, got {tile}")
+
+        def plan_of(t):
+            return KernelPlan(backend, "reduce", batch, k, vocab, jnp.dtype(dtype).name, has_q, rows, positions,
+                              t, math.gcd(t, TPU_CHUNK), vocab)
+
         chunk = min(TPU_CHUNK, cap)
-        room = TPU_VMEM_BUDGET - _fixed_bytes("mosaic_tpu", rows, positions, chunk)
-        per_lane = n_in * 2 * _buffer_bytes((rows, positions, 128), dtype, "mosaic_tpu") // 128
-        tile = max(chunk, min(cap, room // per_lane // chunk * chunk))
-    if tile % 128:
-        raise ValueError(f"TPU vocab tile must be a multiple of 128, got {tile}")
-    return KernelPlan(backend, "reduce", batch, k, vocab, jnp.dtype(dtype).name, has_q, rows, positions, tile,
-                      math.gcd(tile, TPU_CHUNK), vocab)
+        candidates = [cap] + list(range((cap - 1) // chunk * chunk, chunk - 1, -chunk))  # descending
+    if tile is not None:
+        return plan_of(tile)
+    for t in candidates:  # the largest tile whose program fits the budget
+        plan = plan_of(t)
+        used = block_bytes(plan)
+        if used["total"] <= memory_budget(backend) and (
+                not _is_gpu(backend) or used["largest_block"] <= GPU_MAX_BLOCK_ELEMENTS):
+            return plan
+    return plan_of(candidates[-1])
 
 
 @dataclasses.dataclass(frozen=True)
