@@ -45,6 +45,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.platform import target_platform
+
 ACCEPT_STREAM = 0x7FFFFFFF  # vocab index reserved for the acceptance uniforms
 TPU_VMEM_BUDGET = 8 << 20  # bytes per program: half the 16 MiB default scoped VMEM (v5e; 32 MiB v6e)
 GPU_SMEM_BUDGET = 96 << 10  # bytes per program: under the 99 KiB per-block opt-in of sm_86/89 (227 KiB sm_90)
@@ -452,12 +454,12 @@ def rejection_sample_pallas(p, q, draft, seeds, interpret=False, backend: str | 
       (n_accepted [B], tokens [B, K+1]).
     """
     b, kp1, v = p.shape
-    if backend == "default" and _platform() == "cpu":
+    if backend == "default" and target_platform() == "cpu":
         backend = None
     elif backend == "default":
-        backend = choose_kernel_backend(_platform(), p.shape, jnp.dtype(p.dtype).name, q is not None)
+        backend = choose_kernel_backend(target_platform(), p.shape, jnp.dtype(p.dtype).name, q is not None)
         if backend is None:
-            raise ValueError(f"no Pallas backend lowers the kernel on {_platform()}; use the reference")
+            raise ValueError(f"no Pallas backend lowers the kernel on {target_platform()}; use the reference")
     k = kp1 - 1
     rows = rows_per_block or (None if interpret is not True else default_rows_per_block(None))
     plan = kernel_plan(backend, b, k, v, p.dtype, q is not None, rows=rows, tile=vocab_tile)
@@ -537,10 +539,6 @@ def choose_kernel_backend(platform: str, p_shape: tuple, dtype: str, has_q: bool
     return next((be for be in candidates if kernel_lowers(be, plat, tuple(p_shape), dtype, has_q)), None)
 
 
-def _platform() -> str:
-    return jax.default_backend()
-
-
 def rejection_sample(p, q, draft, seeds, implementation: str = "auto"):
     """Dispatch between the Pallas kernel and the jnp reference (same results).
 
@@ -548,7 +546,7 @@ def rejection_sample(p, q, draft, seeds, implementation: str = "auto"):
     on CPU (where interpret mode is a correctness tool, not a fast path); on GPU/TPU the kernel
     with the first backend that lowers (`choose_kernel_backend`), else the reference.
     """
-    platform = _platform()
+    platform = target_platform()
     cpu = platform == "cpu"
     if implementation == "auto":
         if cpu:

@@ -1,4 +1,4 @@
-"""The `specjax` command line: generate, bench, batch, serve, serve-bench, train.
+"""The `specjax` command line: generate, bench, batch, serve, serve-bench, train, lower.
 
 Errors caused by the user print one line on stderr and exit with code 2; internal failures print
 one line and exit with code 1 (set SPECJAX_DEBUG=1 for the traceback).
@@ -457,6 +457,19 @@ def build_parser() -> ArgumentParser:
     t.add_argument("--stop-after", type=int, default=None, help="stop after this many training steps (resume "
                    "later by rerunning the same command)")
     t.set_defaults(fn=cmd_train)
+
+    w = sub.add_parser("lower", help="export prefill and the decode loop for TPU/GPU from this host (abstract "
+                       "weights at a published model's shapes): OK or the first error, custom calls, host callbacks")
+    w.add_argument("--platforms", default="tpu,cuda", help="comma-separated: tpu, cuda, rocm, cpu (default: tpu,cuda)")
+    w.add_argument("--shape", default="llama-8b", help="llama-8b (default), llama-1b or smollm2-135m")
+    w.add_argument("--drafter", default="none,ngram,draft,mtp,eagle3", help="comma-separated drafters (default: all)")
+    w.add_argument("--num-draft", type=int, default=7)
+    w.add_argument("--batch-size", type=int, default=8)
+    w.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    w.add_argument("--temperature", type=float, default=1.0,
+                   help="> 0 lowers the sampled accept too (the rejection kernel); 0: greedy only")
+    w.add_argument("--json", default=None, help="also write the report here")
+    w.set_defaults(fn=cmd_lower)
     p.command_names = list(sub.choices)
     return p
 
@@ -465,6 +478,18 @@ def cmd_train(a) -> int:
     from train.cli import main as train_main
 
     return train_main(a)
+
+
+def cmd_lower(a) -> int:
+    from specjax.bench.lower import run
+
+    split = lambda x: [v.strip() for v in x.split(",") if v.strip()]
+    rows, good = run(split(a.platforms), a.shape, split(a.drafter), a.num_draft, a.batch_size, a.dtype,
+                     a.temperature)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0 if good else EXIT_INTERNAL
 
 
 def one_line(message: str) -> str:

@@ -434,7 +434,7 @@ def test_backend_choice_is_the_first_that_lowers(version):
 
 def test_auto_falls_back_to_the_reference_when_no_backend_lowers(monkeypatch):
     p, q, d, seeds = random_step(2, 3, 300)
-    monkeypatch.setattr(rs, "_platform", lambda: "gpu")
+    monkeypatch.setattr(rs, "target_platform", lambda: "gpu")
     monkeypatch.setattr(rs, "kernel_lowers", lambda *a: False)
     assert rs.choose_kernel_backend("gpu", p.shape, "float32", True) is None
     assert_same(rejection_sample_reference(p, q, d, seeds), rejection_sample(p, q, d, seeds, "auto"))

@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from pallas_kernels.platform import target_platform
+
 from specjax.drafters import checkpoint
 from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext, draft_token
 from specjax.errors import DrafterError
@@ -205,7 +207,7 @@ CPU_MIN_CONFIDENCE = 0.5
 
 
 def default_min_confidence() -> float:
-    return CPU_MIN_CONFIDENCE if jax.default_backend() == "cpu" else 0.0
+    return CPU_MIN_CONFIDENCE if target_platform() == "cpu" else 0.0
 
 
 class Eagle3Drafter(Drafter):

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.platform import target_platform
+
 from specjax.models.config import LlamaConfig
 from specjax.models.kv_cache import KVCache, KVUpdate, write_layer
 
@@ -56,7 +58,7 @@ def linear(w: jax.Array, x: jax.Array, out_dtype=None) -> jax.Array:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(w.dtype)  # [M, I]
     rows = x2.shape[0]
-    if 1 < rows <= FEW_ROWS_MAX and jax.default_backend() == "cpu":
+    if 1 < rows <= FEW_ROWS_MAX and target_platform() == "cpu":
         m = 1 << (rows - 1).bit_length()  # pad M to a power of two: 6 rows cost more than 8
         xp = jnp.pad(x2, ((0, m - rows), (0, 0))).astype(jnp.float32)  # [M', I]
         y = jnp.sum(w.astype(jnp.float32)[None] * xp[:, None, :], axis=-1)[:rows]  # [M', O, I] -> [M, O], fused

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.platform import target_platform
+
 from specjax.errors import ModelLoadError, SpecjaxError
 from specjax.files import check_can_create_dir
 from specjax.models.config import LlamaConfig
@@ -48,7 +50,7 @@ class Model:
 
     @property
     def dtype(self):
-        return self.params["embed"][...].dtype
+        return self.params["embed"].get_value().dtype
 
     def module(self) -> Llama:
         return nnx.merge(self.graphdef, self.params)
@@ -74,7 +76,7 @@ def default_model_path() -> str:
 
 
 def default_dtype() -> str:
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return "float32" if target_platform() == "cpu" else "bfloat16"
 
 
 def build_model(cfg: LlamaConfig, pure_params: dict, dtype) -> tuple[Any, Any]:
