@@ -251,6 +251,10 @@ def test_cpu_smoke_preset_writes_json(tmp_path):
     # K = 1 verifies 2 tokens per row: B = 1, 2 fit the measured T <= 4, B = 4 does not
     assert sorted(p["batch_size"] for p in rep["projections"]) == [1, 2]
     assert all(set(p) <= doc and p["projected_speedup"] > 0 for p in rep["projections"])
+    kc = rep["checks"]["kernel"]
+    assert kc["bit_exact"] and kc["rows"] == 2 * kc["batch_size"] == kc["rows_equal"]  # interpret mode, exact
+    assert [(c["dtype"], c["identical"]) for c in rep["checks"]["lossless"]] == [("float32", True), ("bfloat16", True)]
+    assert all(c["mean_accepted_length"] > 1 for c in rep["checks"]["lossless"])  # drafts were accepted
     assert rep["skipped"] == []
 
 

@@ -44,6 +44,11 @@ table is printed last; the full JSON goes to `--json-out` (default `accel-<prese
 * `mals`: {`source`, `assumed` (bool), `entries`: [{`drafter`, `num_draft`, `mal`}]};
 * `projections`: [{`model`, `drafter`, `num_draft`, `mal`, `batch_size`, `verify_tokens`
   (B (K + 1)), `projected_speedup`}];
+* `checks`: {`kernel`: {`vocab`, `batch_size`, `num_draft`, `rows`, `rows_equal`, `bit_exact`} or
+  {`error`} (the kernel as the engine runs it against the jnp reference, dense and one-hot q),
+  `lossless`: [{`dtype`, `drafter`, `num_draft`, `prompts`, `identical`, `mean_accepted_length`} or
+  {`dtype`, `error`}] (greedy n-gram speculation against plain decoding, f32 and bf16;
+  specjax/bench/device_checks.py);
 * `skipped`: [{`part`, `reason`}].
 """
 
@@ -78,15 +83,16 @@ class Preset:
     repeats: int
     time_budget: float  # seconds
     fraction_ks: tuple[int, ...]  # K values of the sampler-fraction table
+    lossless_model: str  # the model of the greedy token-identity check: "default" | "tiny"
 
 
 PRESETS = {
     "h200": Preset(models=("llama3_8b", "default"), forward_ts=(1, 2, 4, 8, 16, 32, 64), forward_context=512,
                    prompt_len=128, decode_tokens=128, sampler_vocab=128256, batch_sizes=(1, 2, 4, 8, 16, 32, 64),
-                   copy_bytes=2 << 30, repeats=5, time_budget=450.0, fraction_ks=(3, 7)),
+                   copy_bytes=2 << 30, repeats=5, time_budget=450.0, fraction_ks=(3, 7), lossless_model="default"),
     "cpu-smoke": Preset(models=("tiny",), forward_ts=(1, 2, 4), forward_context=16, prompt_len=8, decode_tokens=8,
                         sampler_vocab=512, batch_sizes=(1, 2, 4), copy_bytes=8 << 20, repeats=2, time_budget=120.0,
-                        fraction_ks=(3,)),
+                        fraction_ks=(3,), lossless_model="tiny"),
 }
 
 # Labelled as assumptions wherever they appear: typical of a trained draft head on chat data.
@@ -126,7 +132,7 @@ def build_model(shape: str, model_path: str | None, dtype: str | None):
         dt = dtype or default_dtype()
         return random_model(cfgs.llama3_8b(), dtype=jnp.dtype(dt)), "random"
     if shape == "tiny":
-        return random_model(cfgs.tiny(vocab_size=256, max_position_embeddings=256)), "random"
+        return random_model(cfgs.tiny(vocab_size=256, max_position_embeddings=256), dtype=jnp.dtype(dtype or "float32")), "random"
     return load_model(model_path, dtype=dtype, quiet=True), "checkpoint"
 
 
@@ -255,6 +261,29 @@ def measure_sampler(p: Preset, mals: dict, budget: Budget, log) -> tuple[list[di
     return rows, auto
 
 
+def run_checks(p: Preset, model_path: str | None, budget: Budget, log) -> dict:
+    """The kernel against the reference and greedy token identity per dtype (device_checks.py)."""
+    from specjax.bench.device_checks import kernel_check, lossless_check
+
+    checks = {"kernel": None, "lossless": []}
+    if budget.allows("kernel check", log):
+        try:
+            checks["kernel"] = kernel_check(p.sampler_vocab)
+        except Exception as e:  # reported, not fatal: the other figures still count
+            checks["kernel"] = {"error": _error(e)}
+        log(f"kernel vs reference: {checks['kernel']}")
+    for dt in ("float32", "bfloat16"):
+        if budget.allows(f"lossless check {dt}", log):
+            try:
+                model, _ = build_model(p.lossless_model, model_path, dt)
+                checks["lossless"].append(lossless_check(model))
+                del model
+            except Exception as e:
+                checks["lossless"].append({"dtype": dt, "error": _error(e)})
+            log(f"greedy token identity: {checks['lossless'][-1]}")
+    return checks
+
+
 def run_preset(name: str, model_path: str | None = None, dtype: str | None = None, mal_from: str | None = None,
                json_out: str | None = None, time_budget: float | None = None, console=None, out=None) -> dict:
     """Run a preset (order: what the projections need most comes first), print, write JSON."""
@@ -290,6 +319,7 @@ def run_preset(name: str, model_path: str | None = None, dtype: str | None = Non
                 gc.collect()
         if sampler_rows is None:  # after the first model: cheap, and every projection needs it
             sampler_rows, auto = measure_sampler(p, mals, budget, log)
+    checks = run_checks(p, model_path, budget, log)
     bws.append(device_copy_bandwidth_gbs(p.copy_bytes))
     bw = statistics.median(bws)
     for m in models:  # the final bandwidth figure for every model
@@ -304,7 +334,7 @@ def run_preset(name: str, model_path: str | None = None, dtype: str | None = Non
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "time_budget_s": budget.seconds,
         "bandwidth_gbs": bw, "bandwidth_measurements_gbs": bws, "models": models,
         "sampler": {"vocab": p.sampler_vocab, "rows": sampler_rows or []}, "mals": mals,
-        "projections": project(models, mals, auto, p.batch_sizes), "skipped": budget.skipped,
+        "projections": project(models, mals, auto, p.batch_sizes), "checks": checks, "skipped": budget.skipped,
     }
     report["elapsed_s"] = budget.elapsed()
     path = json_out or f"accel-{name}.json"
@@ -359,5 +389,13 @@ def print_summary(report: dict, console=None) -> None:
     for r in report["sampler"]["rows"]:
         if "error" in r:
             console.print(f"sampler {r['implementation']} B={r['batch_size']} K={r['num_draft']} failed: {r['error']}")
+    kc = report["checks"]["kernel"]
+    if kc is not None:
+        console.print(f"kernel vs reference (vocab {kc.get('vocab')}): " + (kc["error"] if "error" in kc else
+                      f"{kc['rows_equal']}/{kc['rows']} rows equal" + (" (bit-exact)" if kc["bit_exact"] else "")))
+    for c in report["checks"]["lossless"]:
+        console.print(f"greedy ngram K={c.get('num_draft')} vs plain, {c['dtype']}: " + (c["error"] if "error" in c
+                      else f"{'identical' if c['identical'] else 'DIFFERENT'} on {c['prompts']} prompts "
+                      f"(MAL {c['mean_accepted_length']:.2f})"))
     for sk in report["skipped"]:
         console.print(f"skipped {sk['part']}: {sk['reason']}")
