@@ -292,7 +292,11 @@ def block_bytes(plan: KernelPlan) -> dict[str, int]:
     inputs = sum(2 * _buffer_bytes(s.block_shape, d, be) for s, d in zip(specs.in_specs, specs.in_dtypes))
     outputs = sum(2 * _buffer_bytes(s.block_shape, o.dtype, be) for s, o in zip(specs.out_specs, specs.out_shape))
     scratch = sum(_buffer_bytes(s.shape, s.dtype, be) for s in specs.scratch_shapes)
-    temps = TPU_TEMPORARIES * _buffer_bytes((plan.rows, plan.positions, plan.chunk), jnp.float32, be) if be == "mosaic_tpu" else 0
+    temps = (
+        TPU_TEMPORARIES * _buffer_bytes((plan.rows, plan.positions, plan.chunk), jnp.float32, be)
+        if be == "mosaic_tpu"
+        else 0
+    )
     largest = max(math.prod(s.block_shape) for s in specs.in_specs + specs.out_specs)
     return {"inputs": inputs, "outputs": outputs, "scratch": scratch, "temporaries": temps,
             "total": inputs + outputs + scratch + temps, "largest_block": largest}

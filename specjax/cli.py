@@ -60,7 +60,6 @@ def sampling_from_args(a):
 
 def cmd_generate(a) -> int:
     import specjax
-
     from specjax.prompt_text import check_text
 
     if not a.prompts:
@@ -246,9 +245,8 @@ def cmd_serve(a) -> int:
     """`specjax serve`: the OpenAI-compatible server (specjax/serving/server.py)."""
     import logging
 
-    from specjax.serving import scheduler, server
-
     from specjax.files import check_file_writable
+    from specjax.serving import scheduler, server
 
     cfg = _serving_config(a)
     if a.save_step_costs:  # before the model loads and warms up
@@ -392,7 +390,11 @@ def build_parser() -> ArgumentParser:
     j = sub.add_parser("batch", help="a resumable batch job: JSONL of prompts in, JSONL of results out")
     j.add_argument("--input", default=None, help='JSONL rows {"id", "prompt" | "messages"} with optional '
                    "temperature, top_k, top_p, max_new_tokens, seed")
-    j.add_argument("--suite", default=None, help="instead of --input: a packaged suite (humaneval, humaneval-raw, mtbench, sharegpt)")
+    j.add_argument(
+        "--suite",
+        default=None,
+        help="instead of --input: a packaged suite (humaneval, humaneval-raw, mtbench, sharegpt)",
+    )
     j.add_argument("--limit", type=int, default=None, help="only the first N rows of the input or suite")
     j.add_argument("--output", required=True, help="results JSONL (appended; rerun the same command to resume)")
     add_model_args(j)

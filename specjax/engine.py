@@ -42,8 +42,16 @@ from specjax.models.loading import Model
 from specjax.policy.rows import FORCE, RowPolicy, new_policy
 from specjax.policy.rows import plan as policy_plan
 from specjax.policy.rows import update as policy_update
-from specjax.sampling import (FIRST_TOKEN, STREAM_DRAFT, STREAM_SAMPLE, STREAM_VERIFY, SamplingArrays,
-                              SamplingParams, derive, sample)
+from specjax.sampling import (
+    FIRST_TOKEN,
+    STREAM_DRAFT,
+    STREAM_SAMPLE,
+    STREAM_VERIFY,
+    SamplingArrays,
+    SamplingParams,
+    derive,
+    sample,
+)
 from specjax.verify import accept
 
 

@@ -16,7 +16,8 @@ import os
 
 import pytest
 
-from helpers import SHARP_LAYERS, sharp_target as make_sharp_target, tiny_checkpoint_with_tokenizer
+from helpers import SHARP_LAYERS, tiny_checkpoint_with_tokenizer
+from helpers import sharp_target as make_sharp_target
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -52,11 +52,11 @@ def random_hf_model(seed: int = 0, **kw):
 
 def specjax_from_hf(hf_model):
     """The specjax Model holding exactly `hf_model`'s weights (config read from its HF dict)."""
+    import jax.numpy as jnp
+
     from specjax.models.config import LlamaConfig
     from specjax.models.loading import Model, build_model
     from specjax.models.loading.mapping import params_from_hf
-
-    import jax.numpy as jnp
 
     cfg = LlamaConfig.from_hf(hf_model.config.to_dict())
     sd = {k: v.detach().cpu().numpy() for k, v in hf_model.state_dict().items()}

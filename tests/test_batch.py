@@ -2,11 +2,11 @@
 a sharded run on 4 host devices and a two-process run over loopback equal to one process, and
 the batch policy (input files and bad input: test_batch_input.py).
 
-Everything runs a tiny random checkpoint (`batch_model_dir`, conftest.py: 1 layer, weights with std 0.3 so greedy texts differ
-from row to row) with the default model's real tokenizer and chat template. The reference is an
-uninterrupted single-device run in this process; runs that need their own JAX (XLA_FLAGS,
-jax.distributed) or a kill are real `specjax batch` subprocesses. Prompts all fall in one
-prompt bucket and groups in one batch shape, so each process compiles once per group.
+Everything runs a tiny random checkpoint (`batch_model_dir`, conftest.py: 1 layer, weights with std
+0.3 so greedy texts differ from row to row) with the default model's real tokenizer and chat
+template. The reference is an uninterrupted single-device run in this process; runs that need their
+own JAX (XLA_FLAGS, jax.distributed) or a kill are real `specjax batch` subprocesses. Prompts all
+fall in one prompt bucket and groups in one batch shape, so each process compiles once per group.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ import pytest
 
 from helpers import batch_job_rows, read_rows, specjax_cli_cmd, write_jsonl
 
-
 # ---- CLI -----------------------------------------------------------------------------------------
 
 
@@ -100,7 +99,11 @@ def test_raw_rows_and_the_humaneval_raw_suite(batch_model, tmp_path):
     for r in parsed:
         row = tokenize(batch_model, r, False)
         assert not isinstance(row, BadRow), row
-        assert row.token_ids == encode_prompt(batch_model, str(r.prompt), raw=True) != encode_prompt(batch_model, str(r.prompt))
+        assert (
+            row.token_ids
+            == encode_prompt(batch_model, str(r.prompt), raw=True)
+            != encode_prompt(batch_model, str(r.prompt))
+        )
     bad = [(1, b'{"id": 1, "prompt": "x", "raw": "yes"}'), (2, b'{"id": 2, "messages": [{"role": "user", '
                                                               b'"content": "x"}], "raw": true}')]
     for r in parse_input(bad, SamplingParams(), {}):

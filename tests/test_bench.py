@@ -9,8 +9,8 @@ import re
 import subprocess
 
 import pytest
-from helpers import specjax_cli_cmd
 
+from helpers import specjax_cli_cmd
 from specjax.bench import peers, report
 from specjax.errors import SpecjaxError
 
@@ -65,7 +65,9 @@ def test_recommendation_per_suite():
     # plain wins at a small batch but not at the largest: no "from", say where
     mixed = report.recommend(report.add_speedups([row("s", 1, "none", 0, 10.0), row("s", 1, "ngram", 3, 9.0),
                                                   row("s", 2, "none", 0, 10.0), row("s", 2, "ngram", 3, 12.0)]))[0]
-    assert mixed["plain_wins_from"] is None and mixed["text"].endswith("plain decoding wins at B=1 only; measured at B=1, 2")
+    assert mixed["plain_wins_from"] is None and mixed["text"].endswith(
+        "plain decoding wins at B=1 only; measured at B=1, 2"
+    )
 
 
 def test_peer_comparison_ratio():

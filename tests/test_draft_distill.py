@@ -47,7 +47,10 @@ def test_distillation_lowers_the_loss_and_raises_acceptance(trained):
     assert last < 0.8 * first, (first, last)
     after = log[-1]["eval"]
     assert after["sim_mal"] > before["sim_mal"] + 0.1, (before, after)
-    assert set(after) == {"sim_mal", "sim_per_position", "sim_starts", "path_mal", "path_per_position", "path_steps"} and len(after["sim_per_position"]) == 3
+    assert (
+        set(after) == {"sim_mal", "sim_per_position", "sim_starts", "path_mal", "path_per_position", "path_steps"}
+        and len(after["sim_per_position"]) == 3
+    )
 
 
 def test_export_holds_only_the_drafts_own_tensors_and_loads(sharp_target, trained, exported):

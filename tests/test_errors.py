@@ -131,7 +131,9 @@ def test_api_invalid_sampling(tiny_model, kw):
             specjax.generate([[1, 2]], model=tiny_model, max_new_tokens=kw["max_new_tokens"])
 
 
-@pytest.mark.parametrize("prompts", [123, ["hi", 5], [[1, 2.5]], [[True, 2]]], ids=["int", "mixed", "float-id", "bool-id"])
+@pytest.mark.parametrize(
+    "prompts", [123, ["hi", 5], [[1, 2.5]], [[True, 2]]], ids=["int", "mixed", "float-id", "bool-id"]
+)
 def test_api_prompt_of_the_wrong_type(tiny_model, prompts):
     with pytest.raises(InvalidPromptError, match="prompt"):
         specjax.generate(prompts, model=tiny_model, max_new_tokens=2)
@@ -284,8 +286,9 @@ def test_config_without_architectures_says_so(tmp_path):
         specjax.load_model(str(tmp_path), quiet=True)
 
 
-@pytest.mark.parametrize("prompt", ["caf\udce9", "\ud800 lone", "ok \udcff\udcfe"], ids=["latin1-byte", "lone-surrogate",
-                                                                                       "binary"])
+@pytest.mark.parametrize(
+    "prompt", ["caf\udce9", "\ud800 lone", "ok \udcff\udcfe"], ids=["latin1-byte", "lone-surrogate", "binary"]
+)
 def test_prompt_that_is_not_utf8_text(capsys, tiny_tok_dir, tiny_model, prompt):
     """A command-line argument's undecodable bytes reach Python surrogate-escaped; JSON can carry
     lone surrogates: both are InvalidPromptError / one line, exit 2, not a tokenizer TypeError."""

@@ -32,10 +32,10 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_server import NAME, chat_dir, server  # noqa: F401  (the live server fixture and its model)
 
 from helpers import specjax_cli_cmd
 from specjax.cli import main
-from test_server import NAME, chat_dir, server  # noqa: F401  (the live server fixture and its model)
 
 COUNTS: collections.Counter = collections.Counter()  # examples run per harness
 FUZZ = settings(deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -238,9 +238,11 @@ ROUTES = ["/v1/completions", "/v1/chat/completions", "/batch/v1/completions", "/
 # printable ASCII without surrounding blanks: what an HTTP client lets through (h11 refuses the rest)
 header_text = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=20).map(
     lambda t: t.strip() or "x")
-headers = st.dictionaries(st.sampled_from(["content-type", "authorization", "accept", "x-specjax", "user-agent"]),
-                          st.one_of(header_text, st.sampled_from(["application/json", "Bearer sk-batch", "Bearer x", "text/plain"])),
-                          max_size=3)
+headers = st.dictionaries(
+    st.sampled_from(["content-type", "authorization", "accept", "x-specjax", "user-agent"]),
+    st.one_of(header_text, st.sampled_from(["application/json", "Bearer sk-batch", "Bearer x", "text/plain"])),
+    max_size=3,
+)
 
 
 @pytest.fixture(scope="module")

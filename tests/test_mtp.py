@@ -136,7 +136,14 @@ def test_training_lowers_the_loss_and_raises_acceptance(trained):
     assert last < 0.7 * first, (first, last)
     after = log[-1]["eval"]
     assert after["sim_mal"] > before["sim_mal"] + 0.1, (before, after)
-    assert len(after["sim_per_position"]) == DEPTH and set(after) == {"sim_mal", "sim_per_position", "sim_starts", "path_mal", "path_per_position", "path_steps"}
+    assert len(after["sim_per_position"]) == DEPTH and set(after) == {
+        "sim_mal",
+        "sim_per_position",
+        "sim_starts",
+        "path_mal",
+        "path_per_position",
+        "path_steps",
+    }
     assert {"ce_depth1", "top1_depth3"} <= set(log[-1])
 
 

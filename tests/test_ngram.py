@@ -3,7 +3,6 @@ where no row has drafts worth verifying."""
 
 import jax.numpy as jnp
 import numpy as np
-
 import pytest
 
 from specjax.drafters.base import Drafter, Proposal, StepContext
@@ -19,8 +18,13 @@ def propose(drafter, rows, full=False):
     hist = np.zeros((len(rows), s), np.int32)
     for i, r in enumerate(rows):
         hist[i, : len(r)] = r
-    ctx = StepContext(jnp.asarray(hist), jnp.asarray([len(r) for r in rows], jnp.int32),
-                      SamplingArrays.from_params([SamplingParams()] * len(rows)), jnp.zeros((len(rows),), jnp.uint32), True)
+    ctx = StepContext(
+        jnp.asarray(hist),
+        jnp.asarray([len(r) for r in rows], jnp.int32),
+        SamplingArrays.from_params([SamplingParams()] * len(rows)),
+        jnp.zeros((len(rows),), jnp.uint32),
+        True,
+    )
     proposal, _ = drafter.propose(None, (), ctx)
     if full:
         return proposal

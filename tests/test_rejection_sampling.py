@@ -124,7 +124,8 @@ def check_laws(n_acc, tokens, p, q, fixed):
 def test_output_law_matches_target(name, impl):
     p, q, fixed = make_case(name)
     n_draws = N_DRAWS if impl == "reference" else N_PALLAS_DRAWS
-    n_acc, tokens = run(impl, p, q, fixed, n_draws, seed=zlib.crc32(name.encode()) % 1000)  # not hash(): salted per process
+    # not hash(): salted per process
+    n_acc, tokens = run(impl, p, q, fixed, n_draws, seed=zlib.crc32(name.encode()) % 1000)
     pvals = check_laws(n_acc, tokens, p, q, fixed)
     assert min(pvals) > ALPHA, f"{name}/{impl}: p-values {pvals}"
     if name == "p_eq_q":
@@ -373,7 +374,9 @@ def test_greedy_accept_fast_path_matches_sampler():
     drafts = jnp.asarray(drafts, jnp.int32)
     samp = SamplingArrays(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b))
     n1, t1 = accept(logits, drafts, None, samp, jnp.arange(b, dtype=jnp.uint32), all_greedy=True)
-    n2, t2 = accept(logits, drafts, None, samp, jnp.arange(b, dtype=jnp.uint32), all_greedy=False, implementation="reference")
+    n2, t2 = accept(
+        logits, drafts, None, samp, jnp.arange(b, dtype=jnp.uint32), all_greedy=False, implementation="reference"
+    )
     np.testing.assert_array_equal(np.asarray(n1), np.asarray(n2))
     np.testing.assert_array_equal(np.asarray(t1), np.asarray(t2))
 

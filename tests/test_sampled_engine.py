@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_rejection_sampling import g_test_pvalue
 
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
@@ -20,7 +21,6 @@ from specjax.engine import Engine
 from specjax.models.config import tiny
 from specjax.models.loading import random_model
 from specjax.sampling import SamplingArrays, SamplingParams, target_probs
-from test_rejection_sampling import g_test_pvalue
 
 V = 16
 N_ROWS = 16_000
@@ -124,7 +124,8 @@ def test_sampled_speculative_output_has_target_law(models, which, setting):
     else:
         drafter = DraftModelDrafter(2, draft, target.config,
                                     draft_vocab=DRAFT_VOCAB if which == "draft_vocab" else None)
-    seeded = [dataclasses.replace(sp, seed=sp.seed * N_ROWS + i) for i in range(N_ROWS)]  # independent rows: one stream each
+    # independent rows: one stream each
+    seeded = [dataclasses.replace(sp, seed=sp.seed * N_ROWS + i) for i in range(N_ROWS)]
     rows = Engine(target).generate([PROMPT] * N_ROWS, seeded, drafter=drafter)
     assert all(len(r.token_ids) == 3 for r in rows)
     pvalues = law_pvalues(rows, exact_law(target, PROMPT, sp, 3))

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specjax.errors import InvalidSamplingError
 from specjax import sampling
+from specjax.errors import InvalidSamplingError
 from specjax.sampling import NEG_INF, SamplingArrays, SamplingParams
 
 V = 32

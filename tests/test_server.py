@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 import specjax
+from helpers import specjax_cli_cmd, tiny_checkpoint_with_tokenizer
 from specjax.drafters import make_drafter
 from specjax.engine import Engine
 from specjax.generate import encode_prompt
@@ -25,8 +26,6 @@ from specjax.serving.config import ServingConfig
 from specjax.serving.scheduler import Scheduler, build_scheduler
 from specjax.serving.server import ServerThread, build_app
 from specjax.serving.slots import SlotEngine
-
-from helpers import specjax_cli_cmd, tiny_checkpoint_with_tokenizer
 
 openai = pytest.importorskip("openai")
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import REPO
 from specjax.drafters.base import Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
@@ -17,16 +18,14 @@ from specjax.engine import Engine
 from specjax.errors import SpecjaxError
 from specjax.models.config import tiny
 from specjax.models.loading import random_model
-from specjax.sampling import SamplingParams
-from specjax.serving.config import MonitorConfig, ServingConfig, load_config
-from specjax.serving.metrics import ServingMetrics
 from specjax.policy.chunks import Policy
 from specjax.policy.costs import StepCosts
 from specjax.policy.monitor import AcceptanceMonitor, DecisionLog, Estimate, Sample
+from specjax.sampling import SamplingParams
+from specjax.serving.config import MonitorConfig, ServingConfig, load_config
+from specjax.serving.metrics import ServingMetrics
 from specjax.serving.scheduler import Request, Scheduler
 from specjax.serving.slots import SlotEngine
-
-from helpers import REPO
 
 V = 512
 KS = (0, 3)  # few variants: each (bucket, K) chunk compiles at warm-up (the ladder: pure tests below)
@@ -237,7 +236,9 @@ def test_step_costs_calibrate_to_the_chunks_run(engine, prompts):
         line = next(x for x in sched.metrics.render().splitlines()
                     if x.startswith(f'specjax_expected_step_seconds{{bucket="{b}",k="{k}"}}'))
         assert float(line.split()[-1]) == pytest.approx(sched.costs.cost(b, k), rel=1e-3)
-    assert sched.costs.to_dict() == {str(b): {str(k): c for k, c in row.items()} for b, row in engine.step_costs.items()}
+    assert sched.costs.to_dict() == {
+        str(b): {str(k): c for k, c in row.items()} for b, row in engine.step_costs.items()
+    }
 
 
 def test_plain_chunk_times_k0_when_it_is_stale(engine, prompts):

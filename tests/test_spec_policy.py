@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.policy import costs as policy_costs
-from specjax.policy import rows as policy_rows
 from specjax.drafters import make_drafter
 from specjax.drafters.base import Drafter, Proposal
 from specjax.engine import Engine
 from specjax.generate import encode_prompt
 from specjax.models.config import tiny
 from specjax.models.loading import random_model
+from specjax.policy import costs as policy_costs
+from specjax.policy import rows as policy_rows
 from specjax.sampling import SamplingParams
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.",
@@ -122,7 +122,9 @@ def test_policy_rule_on_observations():
     assert not bool(on[3])  # a done row never verifies
     assert policy_rows.plan(pol.replace(mode=jnp.asarray(policy_rows.ALWAYS)), live, steps).tolist() == live.tolist()
     never = policy_rows.new_policy(b, policy_costs.cost_table(4, 5.5), policy_rows.AUTO)
-    assert not policy_rows.can_pay(policy_costs.cost_table(4, 5.5)) and policy_rows.can_pay(policy_costs.cost_table(4, 5.0))
+    assert not policy_rows.can_pay(policy_costs.cost_table(4, 5.5)) and policy_rows.can_pay(
+        policy_costs.cost_table(4, 5.0)
+    )
     assert not bool(jnp.any(policy_rows.plan(never, live, jnp.zeros(b, jnp.int32))))
     forced = policy_rows.new_policy(b, policy_costs.cost_table(4, 5.5), policy_rows.FORCE)
     assert policy_rows.plan(forced, live, jnp.zeros(b, jnp.int32)).tolist() == live.tolist()

@@ -128,7 +128,6 @@ def test_drafter_that_does_not_fit(default_model, tmp_path, monkeypatch):
     import dataclasses
 
     from specjax import drafters
-
     from specjax.models.loading import random_model
 
     other = random_model(dataclasses.replace(default_model.config, vocab_size=1000, num_layers=1))

@@ -44,7 +44,8 @@ def test_loss_drops_and_acceptance_improves(sharp_target, sharp_store, tmp_path)
 def test_resume_reproduces_the_next_steps_exactly(sharp_target, sharp_store, tmp_path):
     o = OptimConfig(steps=10, batch_size=8, lr=1e-3, warmup_steps=2, checkpoint_every=4, eval_every=0)
     fit(make_task(sharp_target, sharp_store), sharp_store, o, str(tmp_path / "full"))
-    fit(make_task(sharp_target, sharp_store), sharp_store, o, str(tmp_path / "cut"), stop_after=6)  # checkpoint at 4, steps 5-6 lost
+    # checkpoint at 4, steps 5-6 lost
+    fit(make_task(sharp_target, sharp_store), sharp_store, o, str(tmp_path / "cut"), stop_after=6)
     assert [r["step"] for r in read_log(str(tmp_path / "cut"))] == list(range(1, 7))
     fit(make_task(sharp_target, sharp_store), sharp_store, o, str(tmp_path / "cut"))  # resumes from step 4
     full, cut = read_log(str(tmp_path / "full")), read_log(str(tmp_path / "cut"))

@@ -1,9 +1,10 @@
 """`specjax train DRAFTER --config RECIPE [key=value ...]`: data, features, training, export.
 
 Every stage is resumable, so rerunning the same command after a kill continues where it stopped:
-regenerated sequences are appended to `data/*.jsonl` batch by batch, feature stores are reused
-when complete (both under `data.cache_dir`, default out_dir, which recipes may share), and training resumes from the newest Orbax checkpoint. The trained drafter
-is exported (bf16 by default) to `out_dir/drafter`, loadable with `--drafter KIND:out_dir/drafter`.
+regenerated sequences are appended to `data/*.jsonl` batch by batch, feature stores are reused when
+complete (both under `data.cache_dir`, default out_dir, which recipes may share), and training
+resumes from the newest Orbax checkpoint. The trained drafter is exported (bf16 by default) to
+`out_dir/drafter`, loadable with `--drafter KIND:out_dir/drafter`.
 """
 
 from __future__ import annotations

@@ -117,7 +117,9 @@ def chunked_argmax(h: jax.Array, head: jax.Array, chunk: int = 32, d2t=None) -> 
     `d2t [N]`, `head` holds its rows `[N, D]` (`head_rows`) and the tokens are mapped back to
     target ids: what such a drafter proposes."""
     t = h.shape[2]
-    out = jax.lax.map(lambda x: jnp.argmax(linear(head, x, jnp.float32), axis=-1).astype(jnp.int32), _chunks(h, 2, chunk))
+    out = jax.lax.map(
+        lambda x: jnp.argmax(linear(head, x, jnp.float32), axis=-1).astype(jnp.int32), _chunks(h, 2, chunk)
+    )
     out = jnp.moveaxis(out, 0, 2).reshape(h.shape[:2] + (-1,))[:, :, :t]  # [n, B, T]
     return out if d2t is None else jnp.take(d2t, out)
 

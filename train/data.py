@@ -140,7 +140,11 @@ def extract_features(model: Model, seqs: list[tuple[list[int], int]], layers: tu
     if os.path.exists(meta_path):
         with open(meta_path) as fh:
             old = json.load(fh)
-        if old.get("complete") and old.get("digest") == digest and (not layers or tuple(old["layers"]) == tuple(layers)):
+        if (
+            old.get("complete")
+            and old.get("digest") == digest
+            and (not layers or tuple(old["layers"]) == tuple(layers))
+        ):
             return FeatureStore(out_dir)
     n, d, v = len(seqs), model.config.hidden_size, model.config.vocab_size
     mm = lambda name, shape, dtype: np.lib.format.open_memmap(  # noqa: E731

@@ -25,8 +25,15 @@ from flax import nnx
 
 from specjax.drafters.base import head_rows
 from specjax.models.llama import Llama
-from train.common import (chain_counts, chunked_argmax, chunked_soft_ce, draft_vocab, save_draft_vocab_if_any,
-                          shift_left, simulate_store)
+from train.common import (
+    chain_counts,
+    chunked_argmax,
+    chunked_soft_ce,
+    draft_vocab,
+    save_draft_vocab_if_any,
+    shift_left,
+    simulate_store,
+)
 
 # Target tables: embedding and (untied) LM head. Everything else is the draft's own.
 TABLES = nnx.Any(nnx.PathContains("embed"), nnx.PathContains("lm_head"))

@@ -26,8 +26,16 @@ from flax import nnx
 
 from specjax.drafters.base import head_rows
 from specjax.drafters.mtp import MTP, MTPConfig, MTPWeights, save
-from train.common import (chain_counts, chunked_argmax, chunked_soft_ce, draft_vocab, save_draft_vocab_if_any,
-                          shift_left, shift_right, simulate_store)
+from train.common import (
+    chain_counts,
+    chunked_argmax,
+    chunked_soft_ce,
+    draft_vocab,
+    save_draft_vocab_if_any,
+    shift_left,
+    shift_right,
+    simulate_store,
+)
 
 
 def mtp_hidden(net: MTP, embed: jax.Array, tokens: jax.Array, final: jax.Array, depth: int) -> list[jax.Array]:

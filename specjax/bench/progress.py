@@ -43,8 +43,14 @@ class BenchProgress:
     # -- lifetime ---------------------------------------------------------------------------
     def __enter__(self) -> BenchProgress:
         if self.live:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                       TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"),

@@ -29,8 +29,8 @@ from flax import nnx
 from specjax.drafters import checkpoint
 from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext, draft_token, head_rows
 from specjax.errors import DrafterError, ModelLoadError
-from specjax.models.loading import Model
 from specjax.models.llama import linear
+from specjax.models.loading import Model
 
 TABLES_KEY = "specjax_draft"
 TARGET_FIELDS = ("target_hidden_size", "target_vocab_size", "target_num_layers")

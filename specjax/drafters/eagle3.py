@@ -35,7 +35,6 @@ import numpy as np
 from flax import nnx, struct
 
 from pallas_kernels.platform import target_platform
-
 from specjax.drafters import checkpoint
 from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext, draft_token
 from specjax.errors import DrafterError

@@ -56,7 +56,9 @@ class KVCache:
 
     def write(self, new: "KVUpdate") -> "KVCache":
         """The cache with `new`'s T positions written at each row's `lengths` (not advanced)."""
-        kv = [write_layer(kb, vb, k, v, self.lengths) for kb, vb, k, v in zip(self.k, self.v, new.k, new.v, strict=True)]
+        kv = [
+            write_layer(kb, vb, k, v, self.lengths) for kb, vb, k, v in zip(self.k, self.v, new.k, new.v, strict=True)
+        ]
         return self.replace(k=tuple(k for k, _ in kv), v=tuple(v for _, v in kv))
 
 

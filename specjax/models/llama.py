@@ -30,10 +30,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.platform import target_platform
-
 from specjax.models.config import LlamaConfig
 from specjax.models.kv_cache import KVCache, KVUpdate, write_layer
-
 
 # Few-row matmuls on CPU (DESIGN.md §5). XLA runs `[O, I] x [I, 1]` as a matrix-vector product
 # near memory bandwidth, but hands M > 1 rows to a GEMM kernel that streams the weight at a

@@ -46,9 +46,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from specjax.serving.config import ServingConfig
 from specjax.policy.costs import StepCosts
 from specjax.policy.monitor import Estimate
+from specjax.serving.config import ServingConfig
 
 
 @dataclasses.dataclass

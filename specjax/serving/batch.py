@@ -1,13 +1,13 @@
 """Batch jobs (`specjax batch`): a JSONL file of prompts in, a JSONL file of results out.
 
-Input rows are `{"id": ..., "prompt": "..."}` (`"raw": true`: no chat template for this prompt,
-as `--raw` does for every row) or `{"id": ..., "messages": [...]}`, optionally with their own
-`temperature`, `top_k`, `top_p`, `max_new_tokens` (or OpenAI's `max_tokens`), `seed`
-(the CLI flags give the defaults; a row without a seed gets one derived from the job's `--seed`
-and its input line, so rows with one prompt still differ and a rerun draws the same); other
-fields are ignored, and the job names them once on stderr. Output rows are `{"id", "line", "text", "token_ids", "finish_reason", "stats"}`, the
-fields of `specjax generate --json` plus the input line number, in completion order (merged
-multi-process outputs are in input order).
+Input rows are `{"id": ..., "prompt": "..."}` (`"raw": true`: no chat template for this prompt, as
+`--raw` does for every row) or `{"id": ..., "messages": [...]}`, optionally with their own
+`temperature`, `top_k`, `top_p`, `max_new_tokens` (or OpenAI's `max_tokens`), `seed` (the CLI flags
+give the defaults; a row without a seed gets one derived from the job's `--seed` and its input line,
+so rows with one prompt still differ and a rerun draws the same); other fields are ignored, and the
+job names them once on stderr. Output rows are `{"id", "line", "text", "token_ids", "finish_reason",
+"stats"}`, the fields of `specjax generate --json` plus the input line number, in completion order
+(merged multi-process outputs are in input order).
 
 A job can be killed at any moment and rerun with the same command; it then loses and repeats
 nothing:
@@ -53,10 +53,16 @@ import time
 from typing import Any
 
 from specjax.errors import SpecjaxError, short_repr
-from specjax.serving import scaleout
-from specjax.serving.batch_files import (ResultsFile, check_job_settings, check_merge_paths, check_paths, json_line,
-                                         policy_path, results_path)
 from specjax.policy.batch import BatchPolicy
+from specjax.serving import scaleout
+from specjax.serving.batch_files import (
+    ResultsFile,
+    check_job_settings,
+    check_paths,
+    json_line,
+    policy_path,
+    results_path,
+)
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "max_new_tokens", "seed")
 ROW_FIELDS = {"id", "prompt", "messages", "raw", "max_tokens", *SAMPLING_FIELDS}  # what a row may carry

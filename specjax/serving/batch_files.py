@@ -63,8 +63,8 @@ def temp_files(paths) -> list[str]:
 def check_paths(cfg) -> None:
     """Refuse, before anything loads and without writing a byte, a job whose input cannot be read
     or whose files cannot or must not be written (see the module docstring)."""
-    from specjax.serving.batch import LATENCY_BATCH_SIZE
     from specjax.policy.batch import parse_policy
+    from specjax.serving.batch import LATENCY_BATCH_SIZE
 
     if bool(cfg.input) == bool(cfg.suite):
         raise SpecjaxError("batch: give exactly one of --input FILE and --suite NAME")

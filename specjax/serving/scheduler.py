@@ -38,12 +38,12 @@ from typing import Callable
 
 import numpy as np
 
-from specjax.sampling import SamplingParams
-from specjax.serving.config import LATENCY_CLASSES, ServingConfig
-from specjax.serving.metrics import ServingMetrics
 from specjax.policy.chunks import Policy
 from specjax.policy.costs import StepCosts
 from specjax.policy.monitor import AcceptanceMonitor, DecisionLog, Estimate, Sample
+from specjax.sampling import SamplingParams
+from specjax.serving.config import LATENCY_CLASSES, ServingConfig
+from specjax.serving.metrics import ServingMetrics
 from specjax.serving.slots import STOP_WIDTH, SlotEngine
 
 _ids = itertools.count(1)

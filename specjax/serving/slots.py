@@ -42,8 +42,8 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.base import Drafter, NoDrafter
-from specjax.errors import DrafterError
 from specjax.engine import LoopState, _prefill, bucket_multiple, bucket_pow2, decode_step, init_state
+from specjax.errors import DrafterError
 from specjax.models.loading import Model
 from specjax.sampling import SamplingArrays, SamplingParams
 

@@ -23,7 +23,6 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels.platform import target_platform
-
 from specjax.errors import ModelLoadError, SpecjaxError
 from specjax.files import check_can_create_dir
 from specjax.models.config import LlamaConfig
@@ -124,9 +123,9 @@ def _file_digest(path: str) -> str:
 def _progress(total: int, description: str, quiet: bool):
     if quiet:
         return None, lambda: None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     import sys
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     prog = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -221,7 +220,10 @@ def _read_cache_entry(cdir: str) -> tuple[LlamaConfig, dict, Any]:
 def _load_hf_dir(model_dir: str, quiet: bool) -> tuple[LlamaConfig, dict, Any]:
     cfg, pure = hf_loader.load_hf(model_dir)
     tok = None
-    if any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if any(
+        os.path.isfile(os.path.join(model_dir, f))
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
         from transformers import AutoTokenizer
 
         try:

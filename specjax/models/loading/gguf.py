@@ -54,7 +54,9 @@ def read_config(reader, path: str) -> LlamaConfig:
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} (supported: llama)")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
-        raise ModelLoadError(f"{path}: GGUF rope_freqs (Llama-3.1 rope scaling) is not supported; use the HF checkpoint")
+        raise ModelLoadError(
+            f"{path}: GGUF rope_freqs (Llama-3.1 rope scaling) is not supported; use the HF checkpoint"
+        )
 
     def need(key):
         v = _field(reader, key)
