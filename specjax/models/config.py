@@ -1,8 +1,9 @@
 """Llama-family model configuration, read from HF `config.json` or GGUF metadata.
 
-One dataclass covers Llama 2/3, SmolLM, Mistral-without-sliding-window and friends: RMSNorm,
-rotary embeddings (plain or Llama-3 `rope_scaling`), grouped-query attention, SwiGLU MLP, tied or
-untied LM head.
+One dataclass covers Llama 2/3, SmolLM, Mistral-without-sliding-window, Qwen2 and Qwen3 (dense)
+and friends: RMSNorm, rotary embeddings (plain or Llama-3 `rope_scaling`), grouped-query attention
+(with q/k/v biases: Qwen2; with per-head RMSNorm of q and k before the rotation: Qwen3), SwiGLU
+MLP, tied or untied LM head.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ from typing import Any
 
 from specjax.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Model types whose layers specjax does not have: one line naming the feature.
+UNSUPPORTED_FEATURES = {"qwen2_moe": "mixture-of-experts layers", "qwen3_moe": "mixture-of-experts layers",
+                        "qwen3_next": "linear-attention and mixture-of-experts layers",
+                        "mixtral": "mixture-of-experts layers", "deepseek_v3": "mixture-of-experts layers"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +38,8 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    attention_bias: bool = False  # q/k/v projections carry biases (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before the rotation (Qwen3)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -48,6 +55,7 @@ class LlamaConfig:
     def num_params(self) -> int:
         d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * (self.num_heads + 2 * self.num_kv_heads) * h + self.num_heads * h * d
+        attn += self.attention_bias * (self.num_heads + 2 * self.num_kv_heads) * h + self.qk_norm * 2 * h
         layer = attn + 3 * d * f + 2 * d
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_layers * layer + d + head
@@ -83,6 +91,8 @@ class LlamaConfig:
         if not isinstance(archs, list):
             archs = [archs]
         model_type = hf.get("model_type")
+        if model_type in UNSUPPORTED_FEATURES:
+            raise ModelLoadError(f"{model_type}: {UNSUPPORTED_FEATURES[model_type]} are not supported")
         if not archs and model_type is None:
             raise ModelLoadError(
                 "config.json has no 'architectures' field (nor 'model_type'): cannot tell which model it "
@@ -95,6 +105,17 @@ class LlamaConfig:
             )
         if hf.get("sliding_window") and model_type == "mistral":
             raise ModelLoadError("sliding-window attention is not supported")
+        qwen = model_type in ("qwen2", "qwen3") or bool({"Qwen2ForCausalLM", "Qwen3ForCausalLM"} & set(archs))
+        layer_types = hf.get("layer_types") or []
+        if (qwen and hf.get("use_sliding_window")) or "sliding_attention" in layer_types:
+            raise ModelLoadError("sliding-window attention layers are not supported")
+        qwen3 = model_type == "qwen3" or "Qwen3ForCausalLM" in archs
+        # Qwen2 always has q/k/v biases (its config has no flag); Qwen3 and Llama say so in `attention_bias`.
+        bias = True if qwen and not qwen3 else bool(hf.get("attention_bias", False))
+        if bias and not qwen:
+            raise ModelLoadError("attention_bias: biased q/k/v projections are supported for Qwen2 only")
+        if hf.get("mlp_bias"):
+            raise ModelLoadError("mlp_bias: biased MLP projections are not supported")
 
         def need(key):
             if key not in hf:
@@ -137,13 +158,17 @@ class LlamaConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,
+            attention_bias=bias,
+            qk_norm=qwen3,
         )
 
     def to_hf(self) -> dict[str, Any]:
         """The HF `config.json` dict of this config (used to export draft models)."""
+        family = "qwen3" if self.qk_norm else "qwen2" if self.attention_bias else "llama"
+        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(family, "LlamaForCausalLM")
         d = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [arch],
+            "model_type": family,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -156,7 +181,7 @@ class LlamaConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu",
-            "attention_bias": False,
+            "attention_bias": self.attention_bias,
             "mlp_bias": False,
         }
         if self.rope_scaling is not None:

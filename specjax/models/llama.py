@@ -124,6 +124,11 @@ class Attention(nnx.Module):
         init = nnx.initializers.normal(0.02)
         self.qkv = nnx.Param(init(rngs.params(), (qkv_out, in_dim or d), dtype))  # [(N+2KV)H, Din]
         self.o = nnx.Param(init(rngs.params(), (d, cfg.num_heads * h), dtype))  # [D, NH]
+        if cfg.attention_bias:
+            self.qkv_bias = nnx.Param(jnp.zeros((qkv_out,), dtype))  # [(N+2KV)H]
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)  # over each head's H
+            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
 
     def project(self, x, cos, sin):
         """x `[B, T, Din]` -> rotated q `[B, T, N, H]`, k and v `[B, T, KV, H]`."""
@@ -131,9 +136,13 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         n, kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = linear(self.qkv[...], x)  # [B, T, (N+2KV)H]
+        if cfg.attention_bias:
+            qkv = qkv + self.qkv_bias[...].astype(qkv.dtype)  # [B, T, (N+2KV)H]
         q = qkv[..., : n * h].reshape(b, t, n, h)
         k = qkv[..., n * h : (n + kv) * h].reshape(b, t, kv, h)
         v = qkv[..., (n + kv) * h :].reshape(b, t, kv, h)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # [B, T, N, H], [B, T, KV, H]
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, x, cos, sin, k_cache, v_cache, starts):

@@ -52,8 +52,15 @@ def params_from_hf(
             ]
         )
         gate_up = np.concatenate([fetch(p + "mlp.gate_proj.weight", (f, d)), fetch(p + "mlp.up_proj.weight", (f, d))])
+        attn = {"qkv": qkv, "o": fetch(p + "self_attn.o_proj.weight", (d, n * h))}
+        if cfg.attention_bias:
+            attn["qkv_bias"] = np.concatenate([fetch(p + f"self_attn.{x}_proj.bias", (m * h,))
+                                               for x, m in (("q", n), ("k", kv), ("v", kv))])
+        if cfg.qk_norm:
+            attn["q_norm"] = {"scale": fetch(p + "self_attn.q_norm.weight", (h,))}
+            attn["k_norm"] = {"scale": fetch(p + "self_attn.k_norm.weight", (h,))}
         return {
-            "attn": {"qkv": qkv, "o": fetch(p + "self_attn.o_proj.weight", (d, n * h))},
+            "attn": attn,
             "mlp": {"gate_up": gate_up, "down": fetch(p + "mlp.down_proj.weight", (d, f))},
             "attn_norm": {"scale": fetch(p + "input_layernorm.weight", (d,))},
             "mlp_norm": {"scale": fetch(p + "post_attention_layernorm.weight", (d,))},
@@ -87,6 +94,14 @@ def params_to_hf(cfg: LlamaConfig, params: dict, tables: bool = True) -> dict[st
         out[p + "self_attn.k_proj.weight"] = qkv[n * h : (n + kv) * h]
         out[p + "self_attn.v_proj.weight"] = qkv[(n + kv) * h :]
         out[p + "self_attn.o_proj.weight"] = lay["attn"]["o"]
+        if cfg.attention_bias:
+            bias = lay["attn"]["qkv_bias"]
+            out[p + "self_attn.q_proj.bias"] = bias[: n * h]
+            out[p + "self_attn.k_proj.bias"] = bias[n * h : (n + kv) * h]
+            out[p + "self_attn.v_proj.bias"] = bias[(n + kv) * h :]
+        if cfg.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = lay["attn"]["q_norm"]["scale"]
+            out[p + "self_attn.k_norm.weight"] = lay["attn"]["k_norm"]["scale"]
         out[p + "mlp.gate_proj.weight"] = lay["mlp"]["gate_up"][:f]
         out[p + "mlp.up_proj.weight"] = lay["mlp"]["gate_up"][f:]
         out[p + "mlp.down_proj.weight"] = lay["mlp"]["down"]
