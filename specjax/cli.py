@@ -193,11 +193,12 @@ def cmd_bench(a) -> int:
 def cmd_batch(a) -> int:
     """`specjax batch`: a resumable job over a JSONL file (specjax/serving/batch.py)."""
     from specjax.serving import batch, scaleout
+    from specjax.serving.batch_files import check_merge_paths
 
     if a.merge:
         if a.num_processes is None:
             raise SpecjaxError("batch --merge needs --num-processes N")
-        batch.check_merge_paths(a.output, a.num_processes)
+        check_merge_paths(a.output, a.num_processes)
         rows = scaleout.merge_parts(a.output, a.num_processes)
         print(f"specjax batch: merged {a.num_processes} parts: {rows} rows in {a.output}", file=sys.stderr)
         return 0
