@@ -1,5 +1,5 @@
 """Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm) targets against HF transformers: full
-logits and hidden states from safetensors (single and sharded) and from a Qwen3 GGUF written by
+logits and hidden states from safetensors (single and sharded) and from GGUF files written by
 llama.cpp's own converter, greedy decoding equal to HF's, and unsupported features as one line.
 
 The GGUF converter is llama.cpp's `convert_hf_to_gguf.py` from the llama-cpp-python sdist (the
@@ -125,17 +125,21 @@ def llama_cpp_converter(tmp_path_factory) -> str:
     return script
 
 
-@pytest.mark.parametrize("kind", ["qwen3"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
 def test_logits_match_hf_from_llama_cpp_gguf(kind, llama_cpp_converter, default_model, tmp_path):
     """A GGUF that llama.cpp's converter wrote (f32) from a tiny random checkpoint with the default
     model's tokenizer (the converter needs a tokenizer whose hash it knows) loads to HF's logits.
-    Not Qwen2: for a `qwen2` directory transformers loads that tokenizer as Qwen2Tokenizer, whose
+    The converter picks its model class from `architectures`; for Qwen2 the directory's
+    `model_type` says llama, else transformers would load that tokenizer as Qwen2Tokenizer, whose
     hash the converter does not know."""
     vocab = default_model.config.vocab_size
     hf = random_qwen(kind, seed=7, vocab=vocab)
     src = tmp_path / "hf"
     hf.save_pretrained(src)
     default_model.tokenizer.save_pretrained(src)
+    if kind == "qwen2":
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps(cfg | {"model_type": "llama"}))
     out = tmp_path / f"{kind}.gguf"
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(llama_cpp_converter), "gguf-py"))
     conv = subprocess.run([sys.executable, llama_cpp_converter, str(src), "--outfile", str(out), "--outtype", "f32"],
