@@ -14,18 +14,13 @@ from specjax.models.loading import Model, load_model
 from specjax.policy.costs import measure_costs
 from specjax.policy.rows import AUTO
 from specjax.sampling import SamplingParams
+from specjax.stats import AcceptanceStats
 
 Prompt = str | Sequence[dict] | Sequence[int]
 
 _MODELS: dict[tuple, Model] = {}
 _ENGINES: dict[tuple, tuple[Model, Engine]] = {}
 _DRAFTERS: dict[tuple, tuple[Model, Drafter]] = {}
-
-
-def per_position(accepted, checked) -> list[float | None]:
-    """accepted / checked per draft position; None where no draft was ever checked (a rate of 0
-    would read as "always rejected")."""
-    return [float(a) / float(c) if c else None for a, c in zip(accepted, checked)]
 
 
 @dataclasses.dataclass
@@ -215,19 +210,19 @@ def generate(
     for x, row in zip(ids, rows):
         seconds = row.prefill_seconds + row.decode_seconds
         text = m.tokenizer.decode(row.token_ids, skip_special_tokens=True) if m.tokenizer else ""
-        checked, accepted = sum(row.checked), sum(row.accepted)
+        # the prefill emits the first token; MAL counts the tokens of draft-verify steps
+        acc = AcceptanceStats.from_counts(row.steps, len(row.token_ids) - 1, row.checked, row.accepted)
         stats = GenerationStats(
             steps=row.steps,
-            # the prefill emits the first token; MAL counts the tokens of draft-verify steps
-            mean_accepted_length=(len(row.token_ids) - 1) / row.steps if row.steps else 1.0,
-            acceptance_rate=accepted / checked if checked else None,
-            per_position_acceptance=per_position(row.accepted, row.checked),
+            mean_accepted_length=acc.mal,
+            acceptance_rate=acc.acceptance_rate,
+            per_position_acceptance=acc.per_position(),
             tokens_per_second=len(row.token_ids) / seconds if seconds > 0 else 0.0,
             drafter=drafter_label(drafter, d),
             num_draft=d.num_draft,
             prefill_seconds=row.prefill_seconds,
             decode_seconds=row.decode_seconds,
-            verified_steps=row.checked[0] if row.checked else 0,  # every verify checks draft 0
+            verified_steps=acc.verified,
             spec_policy=spec_policy if d.num_draft else "always",
         )
         results.append(GenerationResult(text, row.token_ids, x, row.finish_reason, stats))

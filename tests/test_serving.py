@@ -20,12 +20,13 @@ from specjax.models.config import tiny
 from specjax.models.loading import random_model
 from specjax.policy.chunks import Policy
 from specjax.policy.costs import StepCosts
-from specjax.policy.monitor import AcceptanceMonitor, DecisionLog, Estimate, Sample
+from specjax.policy.monitor import AcceptanceMonitor, DecisionLog, Estimate
 from specjax.sampling import SamplingParams
 from specjax.serving.config import MonitorConfig, ServingConfig, load_config
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.scheduler import Request, Scheduler
 from specjax.serving.slots import SlotEngine
+from specjax.stats import AcceptanceStats
 
 V = 512
 KS = (0, 3)  # few variants: each (bucket, K) chunk compiles at warm-up (the ladder: pure tests below)
@@ -479,7 +480,7 @@ def test_monitor_bounded_switch_off_probe_and_on():
     cfg = MonitorConfig(window_steps=16, min_steps=8, probe_every=10, probe_steps=4)
     log = DecisionLog()
     mon = AcceptanceMonitor(cfg, ("interactive", "batch"), "ngram", log)
-    bad = Sample(4, 4, 4, np.array([4, 0]), np.array([0, 0]))
+    bad = AcceptanceStats(4, 4, 4, np.array([4, 0]), np.array([0, 0]))
     mon.record("batch", 2, bad)
     mon.evaluate("batch", Estimate(1.0, [0.0], 4).mal(2), "d", 4)  # 4 row-steps < min_steps
     assert mon.spec_on("batch")
@@ -498,7 +499,7 @@ def test_monitor_bounded_switch_off_probe_and_on():
     assert not mon.probing("batch") and not mon.spec_on("batch")
     assert not mon.probe_due("batch", 26 + 19) and mon.probe_due("batch", 26 + 20)  # backoff: 10 -> 20
     mon.start_probe("batch", 46, 2, 4)
-    mon.record("batch", 2, Sample(8, 24, 8, np.array([8, 8]), np.array([8, 8])))
+    mon.record("batch", 2, AcceptanceStats(8, 24, 8, np.array([8, 8]), np.array([8, 8])))
     mon.evaluate("batch", 2.9, "d", 54)
     assert mon.spec_on("batch")
     assert [d["kind"] for d in log.recent()] == ["spec_off", "probe", "probe_failed", "probe", "spec_on"]
@@ -509,12 +510,12 @@ def test_monitor_bounded_switch_off_probe_and_on():
     assert not mon.spec_on("batch") and not mon.probe_due("batch", 109) and mon.probe_due("batch", 110)
     # A probe is switched on by its pessimistic gain (acceptance lowered), not its point estimate.
     mon.start_probe("batch", 110, 2, 8)
-    mon.record("batch", 2, Sample(8, 24, 8, np.array([8, 8]), np.array([8, 8])))
+    mon.record("batch", 2, AcceptanceStats(8, 24, 8, np.array([8, 8]), np.array([8, 8])))
     mon.evaluate("batch", 2.9, "d", 118, gain_on=1.0)
     assert not mon.spec_on("batch") and "lower bound 1.00" in log.recent()[-1]["reason"]
     assert not mon.probe_due("batch", 118 + 79) and mon.probe_due("batch", 118 + 80)  # failed: 40 -> 80
     mon.start_probe("batch", 198, 2, 8)
-    mon.record("batch", 2, Sample(8, 24, 8, np.array([8, 8]), np.array([8, 8])))
+    mon.record("batch", 2, AcceptanceStats(8, 24, 8, np.array([8, 8]), np.array([8, 8])))
     mon.evaluate("batch", 2.9, "d", 206, gain_on=2.0)
     assert mon.spec_on("batch")
     mon.record("batch", 2, bad)
@@ -522,7 +523,7 @@ def test_monitor_bounded_switch_off_probe_and_on():
     mon.evaluate("batch", 0.8, "d", 206 + 768)  # on for probe_every_max steps: the ladder restarts
     assert not mon.spec_on("batch") and mon.probe_due("batch", 206 + 768 + 10)
     mon2 = AcceptanceMonitor(cfg, ("batch",), "ngram", DecisionLog())
-    mon2.record("batch", 2, Sample(4, 12, 4, np.array([4, 4]), np.array([4, 4])))
+    mon2.record("batch", 2, AcceptanceStats(4, 12, 4, np.array([4, 4]), np.array([4, 4])))
     assert mon2.estimate("batch", 2).acceptance == [0.6, 0.6]  # 4 row-steps < min_steps: the prior
     est = mon2.estimate("batch", 2, measured=True)
     assert est.acceptance == [1.0, 1.0] and est.mal(2) == 3.0

@@ -39,10 +39,11 @@ from specjax.bench.common import PeakMemory, compiled_memory_mb, timed
 from specjax.drafters.base import InitContext, StepContext
 from specjax.engine import Engine, _prefill
 from specjax.errors import DrafterError
-from specjax.generate import drafter_label, encode_prompt, get_drafter, per_position
+from specjax.generate import drafter_label, encode_prompt, get_drafter
 from specjax.policy.costs import measure_costs
 from specjax.policy.rows import AUTO
 from specjax.sampling import SamplingArrays, SamplingParams
+from specjax.stats import AcceptanceStats
 from specjax.verify import accept
 
 
@@ -257,8 +258,9 @@ def _row(suite, temp, b, c: Config, runs: list[RunFigures], warm: float, compile
     """One result row from a configuration's repeats (speedup is added by `report.add_speedups`)."""
     tokens, steps = sum(r.tokens for r in runs), sum(r.steps for r in runs)
     rows = sum(r.rows for r in runs)
-    checked = sum(r.checked for r in runs)
-    acc = sum(r.accepted for r in runs)
+    # the prefill emits each row's first token; MAL counts the tokens of draft-verify steps
+    stats = AcceptanceStats.from_counts(steps, tokens - rows, sum(r.checked for r in runs) if c.num_draft else [],
+                                   sum(r.accepted for r in runs) if c.num_draft else [])
     total = sum(comp.values())
     return {
         "suite": suite, "temperature": temp, "batch_size": b,
@@ -268,12 +270,10 @@ def _row(suite, temp, b, c: Config, runs: list[RunFigures], warm: float, compile
         "tokens": statistics.median(r.tokens for r in runs),
         "tokens_per_second": statistics.median(r.tokens / r.seconds for r in runs),
         "tokens_per_second_repeats": [r.tokens / r.seconds for r in runs],
-        # the prefill emits each row's first token; MAL counts the tokens of draft-verify steps
-        "mean_accepted_length": (tokens - rows) / steps if steps else 1.0,
-        "acceptance_rate": float(acc.sum() / checked.sum()) if c.num_draft and checked.sum() else None,
-        "per_position_acceptance": per_position(acc, checked) if c.num_draft else [],
-        # every verify step checks draft 0: checked[0] counts the steps that verified
-        "verified_share": float(checked[0] / steps) if c.num_draft and steps else None,
+        "mean_accepted_length": stats.mal,
+        "acceptance_rate": stats.acceptance_rate,
+        "per_position_acceptance": stats.per_position(),
+        "verified_share": stats.verified_share,
         "warmup_seconds": warm,
         "compile_seconds": compile_s,
         "peak_memory_mb": peak[0],

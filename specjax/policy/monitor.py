@@ -52,55 +52,10 @@ import logging
 import threading
 import time
 
-import numpy as np
-
-from specjax.generate import per_position
 from specjax.serving.config import MonitorConfig
+from specjax.stats import AcceptanceStats, zero_extend
 
 logger = logging.getLogger("specjax.serving")
-
-
-@dataclasses.dataclass
-class Sample:
-    """One chunk's statistics for a set of rows (a class, or one request)."""
-
-    row_steps: int = 0  # steps summed over rows
-    tokens: int = 0  # tokens those steps emitted
-    verified: int = 0  # row-steps whose drafts the target checked
-    checked: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))  # [W]
-    accepted: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))  # [W]
-
-    def add(self, o: "Sample") -> None:
-        self.row_steps += o.row_steps
-        self.tokens += o.tokens
-        self.verified += o.verified
-        w = max(len(self.checked), len(o.checked))
-        self.checked = _pad(self.checked, w) + _pad(o.checked, w)
-        self.accepted = _pad(self.accepted, w) + _pad(o.accepted, w)
-
-    @property
-    def mal(self) -> float:
-        """Tokens per step, bonus included (1.0 without data)."""
-        return self.tokens / self.row_steps if self.row_steps else 1.0
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        c = int(self.checked.sum())
-        return float(self.accepted.sum()) / c if c else None
-
-    def per_position(self) -> list[float | None]:
-        return per_position(self.accepted, self.checked)
-
-
-def _pad(x: np.ndarray, w: int) -> np.ndarray:
-    """x `[n]` zero-extended to `[w]` (w >= n); np.pad costs ~70 us a call, and the scheduler
-    adds a few dozen samples per chunk."""
-    x = np.asarray(x, np.int64)
-    if len(x) == w:
-        return x
-    out = np.zeros(w, np.int64)
-    out[: len(x)] = x
-    return out
 
 
 @dataclasses.dataclass
@@ -109,7 +64,7 @@ class Estimate:
 
     verified: float  # f, fraction of row-steps that verify
     acceptance: list[float]  # a_i per draft position (prior where unmeasured)
-    row_steps: int  # evidence behind it
+    steps: int  # evidence behind it
     checks: list[int] | None = None  # times each position was checked (None: the prior, unmeasured)
 
     def lower(self, z: float) -> "Estimate":
@@ -158,7 +113,7 @@ class DecisionLog:
 
 class _ClassState:
     def __init__(self):
-        self.window: collections.deque[Sample] = collections.deque()
+        self.window: collections.deque[AcceptanceStats] = collections.deque()
         self.window_steps = 0
         self.on = True
         self.probing = False
@@ -178,22 +133,22 @@ class AcceptanceMonitor:
         self.log = log
         self.enabled = enabled  # False: always on, no probes (policies "always" / "never")
         self.classes = {c: _ClassState() for c in classes}
-        self.totals = {c: Sample() for c in classes}  # since start, K > 0 chunks
+        self.totals = {c: AcceptanceStats() for c in classes}  # since start, K > 0 chunks
 
     # ---- feeding -------------------------------------------------------------------------------
 
-    def record(self, cls: str, k: int, sample: Sample) -> None:
-        if k == 0 or sample.row_steps == 0:
+    def record(self, cls: str, k: int, sample: AcceptanceStats) -> None:
+        if k == 0 or sample.steps == 0:
             return
         st = self.classes[cls]
         st.window.append(sample)
-        st.window_steps += sample.row_steps
-        while len(st.window) > 1 and st.window_steps - st.window[0].row_steps >= self.cfg.window_steps:
-            st.window_steps -= st.window.popleft().row_steps
+        st.window_steps += sample.steps
+        while len(st.window) > 1 and st.window_steps - st.window[0].steps >= self.cfg.window_steps:
+            st.window_steps -= st.window.popleft().steps
         self.totals[cls].add(sample)
 
-    def window(self, cls: str) -> Sample:
-        out = Sample()
+    def window(self, cls: str) -> AcceptanceStats:
+        out = AcceptanceStats()
         for s in self.classes[cls].window:
             out.add(s)
         return out
@@ -204,12 +159,12 @@ class AcceptanceMonitor:
         evidence either way (a class that never ran speculative steps could never be judged)."""
         w = self.window(cls)
         prior = self.cfg.prior_acceptance
-        if w.row_steps < (1 if measured else self.cfg.min_steps):
-            return Estimate(1.0, [prior] * max(width, 1), w.row_steps)
-        checked = _pad(w.checked, width)
-        acc = [a / c if c else prior for a, c in zip(_pad(w.accepted, width), checked)]
-        verified = w.verified / w.row_steps if w.row_steps else 1.0
-        return Estimate(verified, acc or [prior], w.row_steps, [int(c) for c in checked] or None)
+        if w.steps < (1 if measured else self.cfg.min_steps):
+            return Estimate(1.0, [prior] * max(width, 1), w.steps)
+        checked = zero_extend(w.checked, width)
+        acc = [a / c if c else prior for a, c in zip(zero_extend(w.accepted, width), checked)]
+        verified = w.verified / w.steps if w.steps else 1.0
+        return Estimate(verified, acc or [prior], w.steps, [int(c) for c in checked] or None)
 
     # ---- decisions -----------------------------------------------------------------------------
 
@@ -313,5 +268,5 @@ class AcceptanceMonitor:
             w = self.window(c)
             out[c] = {"speculation": st.on or not self.enabled, "probing": st.probing, "switches": st.switches,
                       "rolling_mal": w.mal, "rolling_acceptance_rate": w.acceptance_rate,
-                      "window_row_steps": w.row_steps, "drafter": self.drafter}
+                      "window_steps": w.steps, "drafter": self.drafter}
         return out

@@ -63,6 +63,7 @@ from specjax.serving.batch_files import (
     policy_path,
     results_path,
 )
+from specjax.stats import AcceptanceStats
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "max_new_tokens", "seed")
 ROW_FIELDS = {"id", "prompt", "messages", "raw", "max_tokens", *SAMPLING_FIELDS}  # what a row may carry
@@ -308,7 +309,8 @@ class Meter:
 
     def __init__(self, total: int, already: int, enabled: bool, label: str):
         self.t0 = time.perf_counter()
-        self.rows = self.tokens = self.steps = self.step_tokens = 0
+        self.rows = self.tokens = 0
+        self.stats = AcceptanceStats()  # the rows' draft/verify steps
         self.prefill_seconds = self.decode_seconds = 0.0  # engine time of the batches run
         self.progress = None
         if enabled and total:
@@ -326,8 +328,8 @@ class Meter:
     def add(self, result) -> None:
         self.rows += 1
         self.tokens += len(result.token_ids)
-        self.steps += result.stats.steps
-        self.step_tokens += max(len(result.token_ids) - 1, 0)  # the prefill's token is no step
+        # the prefill's token is no step
+        self.stats.add(AcceptanceStats(result.stats.steps, max(len(result.token_ids) - 1, 0)))
 
     def add_batch(self, results) -> None:
         """Engine time of one batch (its rows share it; rows run alone on a failed batch add theirs)."""
@@ -344,13 +346,9 @@ class Meter:
     def seconds(self) -> float:
         return time.perf_counter() - self.t0
 
-    @property
-    def mal(self) -> float:
-        return self.step_tokens / self.steps if self.steps else 1.0
-
     def rates(self) -> str:
         s = max(self.seconds, 1e-9)
-        return f"{self.rows / s:.2f} rows/s  {self.tokens / s:.1f} tok/s  MAL {self.mal:.2f}"
+        return f"{self.rows / s:.2f} rows/s  {self.tokens / s:.1f} tok/s  MAL {self.stats.mal:.2f}"
 
     def advance(self, n: int) -> None:
         if self.progress is not None:
@@ -468,7 +466,7 @@ def run_batch(cfg: BatchConfig) -> dict:
         "output": out_path, "rows": len(results.done), "written": meter.rows, "already": already,
         "errors": len(bad), "errors_file": err_path, "tokens": meter.tokens, "seconds": secs,
         "rows_per_second": meter.rows / secs, "tokens_per_second": meter.tokens / secs,
-        "mean_accepted_length": meter.mal, "prefill_seconds": meter.prefill_seconds,
+        "mean_accepted_length": meter.stats.mal, "prefill_seconds": meter.prefill_seconds,
         "decode_seconds": meter.decode_seconds,
     }
     if policy.path:

@@ -40,6 +40,7 @@ from specjax.sampling import SamplingParams
 from specjax.serving.config import ServingConfig
 from specjax.serving.scheduler import Request, Scheduler
 from specjax.serving.slots import SlotEngine
+from specjax.stats import AcceptanceStats
 
 MODES = ("always", "never", "rules")
 # decisions about speculation kept in the JSON, with their reasons (K changes, probes, switches)
@@ -147,8 +148,10 @@ def run_point(sched: Scheduler, clients: int, n_requests: int, prompts: dict[str
         itl = [(r.last_emit - r.first_token_time) / (len(r.token_ids) - 1) for r in rs if len(r.token_ids) > 1]
         row[f"itl_ms_{cls}"] = 1e3 * statistics.mean(itl) if itl else None
         row[f"ttft_ms_{cls}"] = 1e3 * statistics.mean(r.first_token_time - r.arrival for r in rs) if rs else None
-    steps = sum(r.sample.row_steps for r in done)
-    row["mal"] = sum(r.sample.tokens for r in done) / steps if steps else 1.0
+    total = AcceptanceStats()
+    for r in done:
+        total.add(r.sample)
+    row["mal"] = total.mal
     return row
 
 

@@ -40,11 +40,12 @@ import numpy as np
 
 from specjax.policy.chunks import Policy
 from specjax.policy.costs import StepCosts
-from specjax.policy.monitor import AcceptanceMonitor, DecisionLog, Estimate, Sample
+from specjax.policy.monitor import AcceptanceMonitor, DecisionLog, Estimate
 from specjax.sampling import SamplingParams
 from specjax.serving.config import LATENCY_CLASSES, ServingConfig
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.slots import STOP_WIDTH, SlotEngine
+from specjax.stats import AcceptanceStats
 
 _ids = itertools.count(1)
 
@@ -67,7 +68,7 @@ class Request:
     error: str | None = None
     preemptions: int = 0
     k_steps: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    sample: Sample = dataclasses.field(default_factory=Sample)  # all its steps
+    sample: AcceptanceStats = dataclasses.field(default_factory=AcceptanceStats)  # all its steps
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     parked: object = None  # one-row state of a preempted row
     seen: dict = dataclasses.field(default_factory=dict)  # counters already accounted for
@@ -79,7 +80,7 @@ class Request:
         return {
             "latency_class": self.latency_class,
             "drafter": drafter,
-            "steps": s.row_steps,
+            "steps": s.steps,
             "mean_accepted_length": s.mal,
             "acceptance_rate": s.acceptance_rate,
             "per_position_acceptance": s.per_position(),
@@ -267,23 +268,23 @@ class Scheduler:
         self.metrics.steps.inc(ran, k=k)
         if ran:
             self.metrics.step_seconds.set(seconds / ran, bucket=self.bucket, k=k)
-        per_class = {c: Sample() for c in LATENCY_CLASSES}
+        per_class = {c: AcceptanceStats() for c in LATENCY_CLASSES}
         verify_steps = 0  # a verifying step checks draft 1 of every live row: the most any row saw
         for slot, req in enumerate(self.slots):
             if req is None:
                 continue
             seen = req.seen
-            d = Sample(int(steps[slot] - seen["steps"]), int(hist_len[slot] - seen["hist_len"]),
+            d = AcceptanceStats(int(steps[slot] - seen["steps"]), int(hist_len[slot] - seen["hist_len"]),
                        int(checked[slot, 0] - seen["checked"][0]), checked[slot] - seen["checked"],
                        accepted[slot] - seen["accepted"])
             new = history[slot, seen["hist_len"]: hist_len[slot]].tolist()
             req.seen = {"steps": int(steps[slot]), "hist_len": int(hist_len[slot]), "checked": checked[slot].copy(),
                         "accepted": accepted[slot].copy()}
-            req.run_steps += d.row_steps
+            req.run_steps += d.steps
             verify_steps = max(verify_steps, d.verified)
             req.sample.add(d)
-            if d.row_steps:
-                req.k_steps[k] += d.row_steps
+            if d.steps:
+                req.k_steps[k] += d.steps
             per_class[req.latency_class].add(d)
             self._emit(req, new, now)
             if done[slot]:
@@ -295,7 +296,7 @@ class Scheduler:
                 self.metrics.expected_step.set(self.costs.cost(b, k), bucket=b, k=k)
         for c, d in per_class.items():
             label = {"class": c}
-            if d.row_steps == 0:
+            if d.steps == 0:
                 continue
             if k:
                 self.metrics.draft_tokens.inc(int(d.checked.sum()), **label)
