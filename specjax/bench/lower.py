@@ -49,14 +49,13 @@ def _split_abstract(build):
     return nnx.split(nnx.eval_shape(build))
 
 
-def abstract_model(shape: str, dtype):
-    """A `Model` at a published shape whose params are ShapeDtypeStructs."""
+def abstract_model(name: str, cfg: LlamaConfig, dtype):
+    """A `Model` of config `cfg` whose params are ShapeDtypeStructs."""
     from specjax.models.llama import Llama
     from specjax.models.loading import Model
 
-    cfg = SHAPES[shape]
     graphdef, params = _split_abstract(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=dtype))
-    return Model(cfg, graphdef, params, None, shape, "abstract")
+    return Model(cfg, graphdef, params, None, name, "abstract")
 
 
 def _drafter_factory(kind: str, k: int, target, dtype):
@@ -70,11 +69,9 @@ def _drafter_factory(kind: str, k: int, target, dtype):
         from specjax.drafters.draft_model import DraftModelDrafter
 
         shape = DRAFT_SHAPES.get(target.name)
-        if shape is None:
-            cfg = dataclasses.replace(target.config, num_layers=max(1, target.config.num_layers // 8))
-            SHAPES[f"{target.name}-draft"] = cfg
-            shape = f"{target.name}-draft"
-        draft = abstract_model(shape, dtype)
+        cfg = SHAPES[shape] if shape else dataclasses.replace(target.config,
+                                                              num_layers=max(1, target.config.num_layers // 8))
+        draft = abstract_model(shape or f"{target.name}-draft", cfg, dtype)
         return (lambda t, w: DraftModelDrafter(k, dataclasses.replace(draft, params=w), t.config)), draft.params
     if kind == "mtp":
         from specjax.drafters import mtp
@@ -122,7 +119,7 @@ def lower_loop(platform: str, shape: str = "llama-8b", drafter: str = "eagle3", 
     k = num_draft if drafter != "none" else 0
     out = {}
     with lowering_for(platform):
-        target = abstract_model(shape, dt)
+        target = abstract_model(shape, SHAPES[shape], dt)
         if drafter == "none":
             from specjax.drafters.base import NoDrafter
 

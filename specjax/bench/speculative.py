@@ -259,8 +259,8 @@ def _row(suite, temp, b, c: Config, runs: list[RunFigures], warm: float, compile
     tokens, steps = sum(r.tokens for r in runs), sum(r.steps for r in runs)
     rows = sum(r.rows for r in runs)
     # the prefill emits each row's first token; MAL counts the tokens of draft-verify steps
-    stats = AcceptanceStats.from_counts(steps, tokens - rows, sum(r.checked for r in runs) if c.num_draft else [],
-                                   sum(r.accepted for r in runs) if c.num_draft else [])
+    stats = AcceptanceStats.from_counts(steps, tokens - rows, sum(r.checked for r in runs),
+                                        sum(r.accepted for r in runs))  # [K] each (K = 0: empty)
     total = sum(comp.values())
     return {
         "suite": suite, "temperature": temp, "batch_size": b,
