@@ -19,6 +19,10 @@ import pytest
 from helpers import SHARP_LAYERS, tiny_checkpoint_with_tokenizer
 from helpers import sharp_target as make_sharp_target
 
+# No network here: any hub lookup fails fast instead of retrying. Set at import, before a test
+# module imports transformers (huggingface_hub reads it once, when first imported).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def specjax_cache(tmp_path_factory):
@@ -26,8 +30,6 @@ def specjax_cache(tmp_path_factory):
     path = os.environ.get("SPECJAX_TEST_CACHE") or str(tmp_path_factory.mktemp("specjax_cache"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECJAX_CACHE", path)
-        # No network here: make any hub lookup fail fast instead of timing out.
-        mp.setenv("HF_HUB_OFFLINE", "1")
         mp.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
         yield path
 

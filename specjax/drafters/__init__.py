@@ -1,7 +1,8 @@
 """Drafters: one proposer per method behind the protocol in `base.py`.
 
 `make_drafter(spec, num_draft, target)` turns a CLI/API drafter spec into a drafter:
-`none` | `ngram` | `draft[:PATH]` | `mtp[:PATH]` | `eagle3[:PATH][@GATE]`. A bare learned-drafter
+`none` | `ngram` | `draft[:PATH]` | `mtp[:PATH]` | `eagle3[:PATH][@GATE]` (PATH: a specjax, an
+EAGLE/SpecForge or a `speculators` directory, see eagle3_formats.py). A bare learned-drafter
 name means the one shipped for the default model (`shipped/<name>-smollm2-135m/`, see
 `shipped_path`). MTP drafts at most one token per trained module; its K defaults to that count.
 EAGLE-3's GATE is its confidence gate (`Eagle3Drafter`): `eagle3@0` verifies every step; the
@@ -109,11 +110,11 @@ def _make_drafter(spec: str | None, num_draft: int, target, dtype: str | None, l
         vocab = checkpoint.load_draft_vocab(path, target.config.vocab_size)  # None for a GGUF file
         return draft_model.DraftModelDrafter(k, draft, target.config, draft_vocab=vocab)
     if kind == "eagle3":
-        from specjax.drafters import eagle3
+        from specjax.drafters import eagle3, eagle3_formats
 
         arg, gate = _gate_suffix(arg, spec)
         path = arg or _shipped_or_error("eagle3")
-        weights = eagle3.load(path, dtype=target.dtype)
+        weights = eagle3_formats.load(path, target.dtype, target.config.num_layers)
         gate = eagle3.default_min_confidence() if gate is None else gate
         return eagle3.Eagle3Drafter(k, weights, target, min_confidence=gate)
     raise DrafterError(f"unknown drafter {spec!r} (known: {', '.join(KNOWN)})")

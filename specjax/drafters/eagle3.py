@@ -53,18 +53,25 @@ class Eagle3Config:
     num_kv_heads: int
     head_dim: int
     target_vocab_size: int  # V
-    target_num_layers: int  # L of the target it was trained for
+    target_num_layers: int  # L of the target it was trained for (0: unknown, as in published drafters)
     draft_vocab_size: int  # N
-    target_layers: tuple[int, ...]  # e.g. (2, L // 2, L - 3), 0-based decoder layer outputs
+    target_layers: tuple[int, ...]  # 0-based decoder layer outputs (default_target_layers)
     rope_theta: float = 10000.0
     rope_scaling: tuple[float, float, float, int] | None = None
     rms_norm_eps: float = 1e-5
+    # Published variants (eagle3_formats.py reads them from EAGLE/SpecForge and `speculators`):
+    target_hidden_size: int | None = None  # Dt of the target when it differs from D (then an own embedding)
+    attention_bias: bool = False  # q/k/v biases in the drafter's layer
+    qk_norm: bool = False  # per-head q/k RMSNorm (a Qwen3-type layer)
+    norm_before_residual: bool = False  # the residual stream starts from hidden_norm(feature)
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated target features [nDt] before fc
+    norm_output: bool = False  # the fed-back output is norm(g) and the head reads it as is
 
     @classmethod
     def for_target(cls, target: LlamaConfig, draft_vocab_size: int = 8192,
                    target_layers: tuple[int, ...] | None = None, intermediate_size: int | None = None):
         n = target.num_layers
-        layers = tuple(target_layers) if target_layers else (min(2, n - 1), n // 2, max(n - 3, 0))
+        layers = tuple(target_layers) if target_layers else default_target_layers(n)
         return cls(
             hidden_size=target.hidden_size,
             intermediate_size=intermediate_size or target.intermediate_size,
@@ -79,6 +86,10 @@ class Eagle3Config:
             rope_scaling=target.rope_scaling,
             rms_norm_eps=target.rms_norm_eps,
         )
+
+    @property
+    def feature_size(self) -> int:  # Dt: width of one target hidden state
+        return self.target_hidden_size or self.hidden_size
 
     def layer_config(self) -> LlamaConfig:
         """The drafter's single layer, described as a one-layer Llama (attention, MLP, rope)."""
@@ -97,23 +108,34 @@ class Eagle3Config:
 
     def check_target(self, target: LlamaConfig, source: str = "EAGLE-3 drafter") -> None:
         """One clear error when the drafter was trained for another target."""
-        checkpoint.check_target([("hidden size", self.hidden_size, target.hidden_size),
-                                 ("vocab size", self.target_vocab_size, target.vocab_size),
-                                 ("layer count", self.target_num_layers, target.num_layers)], source)
+        pairs = [("hidden size", self.feature_size, target.hidden_size),
+                 ("vocab size", self.target_vocab_size, target.vocab_size)]
+        if self.target_num_layers:  # 0: unknown (a published drafter names its target, not its depth)
+            pairs.append(("layer count", self.target_num_layers, target.num_layers))
+        checkpoint.check_target(pairs, source)
         if max(self.target_layers) >= target.num_layers:
             raise DrafterError(f"{source} reads target layer {max(self.target_layers)}, "
                                f"but the target has {target.num_layers} layers")
 
 
+def default_target_layers(num_layers: int) -> tuple[int, ...]:
+    """Outputs of layers 1, L/2 - 1 and L - 4: the hidden states EAGLE, SpecForge, SGLang and vLLM
+    read by default (they name them as the inputs of layers 2, L/2 and L - 3)."""
+    n = num_layers
+    return (min(1, n - 1), max(n // 2 - 1, 0), max(n - 4, 0))
+
+
 class Eagle3(nnx.Module):
-    """The drafter network. Shapes: D hidden, n = len(target_layers), N draft vocab."""
+    """The drafter network. Shapes: D hidden, Dt target hidden, n = len(target_layers), N draft vocab."""
 
     def __init__(self, cfg: Eagle3Config, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
         lc = cfg.layer_config()
-        d, n = cfg.hidden_size, len(cfg.target_layers)
+        d, n, dt = cfg.hidden_size, len(cfg.target_layers), cfg.feature_size
         init = nnx.initializers.normal(0.02)
-        self.fc = nnx.Param(init(rngs.params(), (d, n * d), dtype))  # [D, nD]
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(n * dt, cfg.rms_norm_eps, dtype=dtype)
+        self.fc = nnx.Param(init(rngs.params(), (d, n * dt), dtype))  # [D, nDt]
         self.embed_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.attn = Attention(lc, rngs=rngs, dtype=dtype, in_dim=2 * d)
@@ -123,18 +145,22 @@ class Eagle3(nnx.Module):
         self.head = nnx.Param(init(rngs.params(), (cfg.draft_vocab_size, d), dtype))  # [N, D]
 
     def fuse(self, feats: jax.Array) -> jax.Array:
-        """Target hidden states `[n, B, T, D]` -> projected feature `[B, T, D]`."""
-        x = jnp.concatenate(list(feats), axis=-1)  # [B, T, nD]
-        return linear(self.fc[...], x.astype(self.fc[...].dtype))
+        """Target hidden states `[n, B, T, Dt]` -> projected feature `[B, T, D]`."""
+        x = jnp.concatenate(list(feats), axis=-1).astype(self.fc[...].dtype)  # [B, T, nDt]
+        if self.cfg.norm_before_fc:
+            x = self.input_norm(x)  # [B, T, nDt]
+        return linear(self.fc[...], x)
 
     def layer_input(self, emb: jax.Array, feat: jax.Array) -> jax.Array:
         """`[B, T, D]` twice -> the attention input `[B, T, 2D]`."""
         return jnp.concatenate([self.embed_norm(emb), self.hidden_norm(feat)], axis=-1)
 
     def finish(self, feat: jax.Array, attn_out: jax.Array) -> jax.Array:
-        """Residual stream from the feature: attention then MLP. Returns g `[B, T, D]`."""
-        h = feat + attn_out
-        return h + self.mlp(self.mlp_norm(h))
+        """Residual stream from the feature (or its norm): attention then MLP. Returns the output g
+        `[B, T, D]` that is fed back as the next feature (normed when `norm_output`)."""
+        h = (self.hidden_norm(feat) if self.cfg.norm_before_residual else feat) + attn_out  # [B, T, D]
+        g = h + self.mlp(self.mlp_norm(h))  # [B, T, D]
+        return self.norm(g) if self.cfg.norm_output else g
 
     def step(self, emb: jax.Array, feat: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """One pass over T positions at `cache.lengths` (one-layer cache; lengths unchanged)."""
@@ -145,7 +171,7 @@ class Eagle3(nnx.Module):
 
     def logits(self, g: jax.Array) -> jax.Array:
         """g `[..., D]` -> f32 draft-vocab logits `[..., N]`."""
-        return linear(self.head[...], self.norm(g), jnp.float32)
+        return linear(self.head[...], g if self.cfg.norm_output else self.norm(g), jnp.float32)
 
     def new_cache(self, batch: int, size: int) -> KVCache:
         c = self.cfg
@@ -161,6 +187,7 @@ class Eagle3Weights:
     params: Any  # nnx.State
     d2t: jax.Array  # [N] int32 target ids of the draft vocabulary
     source: str = ""
+    embed: jax.Array | None = None  # [V, D] an own token embedding; None: the target's (frozen) table
 
     def module(self) -> Eagle3:
         return nnx.merge(self.graphdef, self.params)
@@ -173,8 +200,10 @@ def init_weights(cfg: Eagle3Config, d2t: np.ndarray, seed: int = 0, dtype=jnp.fl
 
 def save(w: Eagle3Weights, out_dir: str, dtype=None, metadata: dict | None = None) -> str:
     """Write `config.json` + `model.safetensors` (params, optionally cast, and `d2t`)."""
-    return checkpoint.save(out_dir, w.config.to_dict(), w.params, extra={"d2t": np.asarray(w.d2t, np.int32)},
-                           dtype=dtype, metadata=metadata)
+    extra = {"d2t": np.asarray(w.d2t, np.int32)}
+    if w.embed is not None:
+        extra["embed"] = np.asarray(jnp.asarray(w.embed, dtype) if dtype is not None else w.embed)
+    return checkpoint.save(out_dir, w.config.to_dict(), w.params, extra=extra, dtype=dtype, metadata=metadata)
 
 
 def load(path: str, dtype=jnp.float32) -> Eagle3Weights:
@@ -186,8 +215,27 @@ def load(path: str, dtype=jnp.float32) -> Eagle3Weights:
     d2t = arrays.pop("d2t", None)
     if d2t is None or d2t.shape != (cfg.draft_vocab_size,):
         raise DrafterError(f"{w_path}: missing or malformed 'd2t' ({cfg.draft_vocab_size} entries expected)")
-    graphdef, params = checkpoint.fill(lambda: Eagle3(cfg, rngs=nnx.Rngs(0), dtype=dtype), arrays, w_path, dtype)
-    return Eagle3Weights(cfg, graphdef, params, jnp.asarray(d2t, jnp.int32), path)
+    return build_weights(cfg, arrays, d2t, arrays.pop("embed", None), w_path, dtype)
+
+
+def build_weights(cfg: Eagle3Config, arrays: dict, d2t: np.ndarray, embed, source: str, dtype) -> Eagle3Weights:
+    """Weights from the module's params by NNX path (`arrays`), the draft -> target map and an
+    optional own embedding; shapes and the map's values checked (one-line DrafterErrors)."""
+    d2t = np.asarray(d2t)
+    v = cfg.target_vocab_size
+    if d2t.shape != (cfg.draft_vocab_size,) or d2t.min(initial=0) < 0 or d2t.max(initial=0) >= v:
+        raise DrafterError(f"{source}: the draft vocabulary map must hold {cfg.draft_vocab_size} target ids "
+                           f"in [0, {v}), got shape {d2t.shape} with values in [{d2t.min()}, {d2t.max()}]")
+    if len(np.unique(d2t)) != d2t.size:
+        raise DrafterError(f"{source}: the draft vocabulary map names a target token twice")
+    if embed is not None and tuple(embed.shape) != (v, cfg.hidden_size):
+        raise DrafterError(f"{source}: embedding has shape {tuple(embed.shape)}, expected {(v, cfg.hidden_size)}")
+    if embed is None and cfg.feature_size != cfg.hidden_size:
+        raise DrafterError(f"{source}: a drafter of hidden size {cfg.hidden_size} over a target of "
+                           f"{cfg.feature_size} needs its own token embedding")
+    graphdef, params = checkpoint.fill(lambda: Eagle3(cfg, rngs=nnx.Rngs(0), dtype=dtype), arrays, source, dtype)
+    own = None if embed is None else jnp.asarray(embed, dtype)
+    return Eagle3Weights(cfg, graphdef, params, jnp.asarray(d2t, jnp.int32), source, own)
 
 
 @struct.dataclass
@@ -225,6 +273,11 @@ class Eagle3Drafter(Drafter):
     def __init__(self, num_draft: int, weights: Eagle3Weights, target, min_confidence: float = 0.0):
         super().__init__(num_draft)
         weights.config.check_target(target.config, f"EAGLE-3 drafter {weights.source}".strip())
+        own = weights.embed
+        if own is not None and own.shape == target.params["embed"].shape and bool(
+                jnp.array_equal(own, target.params["embed"][...].astype(own.dtype))):
+            own = None  # a copy of the target's table (as published drafters carry it): share it
+        self.embed = own
         self.weights = weights
         self.target = target
         self.hidden_layers = weights.config.target_layers
@@ -234,7 +287,8 @@ class Eagle3Drafter(Drafter):
         return super().cache_key() + (id(self.weights), self.hidden_layers, self.min_confidence)
 
     def params(self):
-        return {"net": self.weights.params, "d2t": self.weights.d2t, "embed": self.target.params["embed"][...]}
+        embed = self.target.params["embed"][...] if self.embed is None else self.embed  # [V, D]
+        return {"net": self.weights.params, "d2t": self.weights.d2t, "embed": embed}
 
     def _draft_token(self, dparams, logits, i, ctx):
         """Draft i's draft-vocab logits `[B, N]` -> target-vocab token `[B]` and q `[B, V]` (None

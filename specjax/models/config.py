@@ -72,6 +72,7 @@ class LlamaConfig:
             vocab_size=vocab_size, hidden_size=src.hidden_size, intermediate_size=src.intermediate_size,
             num_layers=1, num_heads=src.num_heads, num_kv_heads=src.num_kv_heads, head_dim=src.head_dim,
             rope_theta=src.rope_theta, rope_scaling=src.rope_scaling, rms_norm_eps=src.rms_norm_eps,
+            attention_bias=getattr(src, "attention_bias", False), qk_norm=getattr(src, "qk_norm", False),
         )
 
     @classmethod

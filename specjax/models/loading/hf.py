@@ -47,6 +47,11 @@ def read_config(model_dir: str) -> LlamaConfig:
 
 def open_tensors(model_dir: str):
     """`get(name) -> np.ndarray` over a single or sharded safetensors checkpoint."""
+    return open_checkpoint(model_dir)[0]
+
+
+def open_checkpoint(model_dir: str):
+    """(`get(name) -> np.ndarray`, the set of tensor names) of a single or sharded checkpoint."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     single = os.path.join(model_dir, "model.safetensors")
     if os.path.isfile(index):
@@ -56,9 +61,10 @@ def open_tensors(model_dir: str):
         except (OSError, json.JSONDecodeError, KeyError) as e:
             raise ModelLoadError(f"{index}: invalid index ({e})") from None
         files = {f: SafetensorsFile(os.path.join(model_dir, f)) for f in sorted(set(weight_map.values()))}
-        return lambda name: files[weight_map[name]].get(name)
+        return (lambda name: files[weight_map[name]].get(name)), set(weight_map)
     if os.path.isfile(single):
-        return SafetensorsFile(single).get
+        f = SafetensorsFile(single)
+        return f.get, set(f.names())
     raise ModelLoadError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
