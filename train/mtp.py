@@ -62,7 +62,7 @@ def mtp_loss(net: MTP, batch: dict, embed: jax.Array, head: jax.Array, weights, 
     depth = len(weights)
     outs = mtp_hidden(net, embed, tokens, final, depth)
     # Align depth k's output at i with its label position p = i + k.
-    draft = jnp.stack([shift_right(net.heads[k - 1].norm(h), k) for k, h in enumerate(outs, 1)])  # [N, B, T, D]
+    draft = jnp.stack([shift_right(net.heads[k - 1].head_input(h), k) for k, h in enumerate(outs, 1)])  # [N, B, T, D]
     p = jnp.arange(t)
     # label p is trained when module k had a position (p >= k) and predicts a response token x_{p+1}
     predicted_is_response = shift_left(mask) & (p < t - 1)[None]  # [B, T]
@@ -84,7 +84,7 @@ def simulate_acceptance(net: MTP, batch: dict, embed: jax.Array, head: jax.Array
     tokens, mask, target_next = batch["tokens"], batch["mask"], batch["argmax"]  # [B, T] each
     t = tokens.shape[1]
     outs = mtp_hidden(net, embed, tokens, batch["final"], k)
-    greedy = chunked_argmax(jnp.stack([net.heads[j].norm(h) for j, h in enumerate(outs)]), head, chunk,
+    greedy = chunked_argmax(jnp.stack([net.heads[j].head_input(h) for j, h in enumerate(outs)]), head, chunk,
                             d2t)  # [K, B, T] target ids
     # draft j from start m: module j at m - 1 vs the target's greedy token after x_{m+j-1}
     hits = [shift_right(greedy[j - 1], 1) == shift_left(target_next, j - 1) for j in range(1, k + 1)]

@@ -4,7 +4,9 @@
 `none` | `ngram` | `draft[:PATH]` | `mtp[:PATH]` | `eagle3[:PATH][@GATE]` (PATH: a specjax, an
 EAGLE/SpecForge or a `speculators` directory, see eagle3_formats.py). A bare learned-drafter
 name means the one shipped for the default model (`shipped/<name>-smollm2-135m/`, see
-`shipped_path`). MTP drafts at most one token per trained module; its K defaults to that count.
+`shipped_path`); a bare `mtp` on a target whose checkpoint carries MTP layers (DeepSeek-V3,
+Qwen3-Next, MiMo layouts: mtp_formats.py) means those. specjax's own MTP drafts at most one token
+per trained module; its K defaults to the module count.
 EAGLE-3's GATE is its confidence gate (`Eagle3Drafter`): `eagle3@0` verifies every step; the
 default is `eagle3.default_min_confidence()` (on CPU only).
 """
@@ -84,11 +86,15 @@ def _make_drafter(spec: str | None, num_draft: int, target, dtype: str | None, l
             raise DrafterError("num_draft > 0 needs a drafter (--drafter ngram | draft:PATH)")
         return NoDrafter()
     if kind == "mtp":
-        from specjax.drafters import checkpoint, mtp
+        from specjax.drafters import checkpoint, mtp, mtp_formats
 
-        path = arg or _shipped_or_error("mtp")
-        weights = mtp.load(path, dtype=target.dtype)
-        vocab = checkpoint.load_draft_vocab(path, target.config.vocab_size)
+        inside = arg or mtp_formats.checkpoint_dir(target)  # MTP layers in a target checkpoint, as vLLM reads them
+        if mtp_formats.has_mtp(inside, target.config.num_layers):
+            weights, vocab = mtp_formats.load(inside, target, target.dtype), None
+        else:
+            path = arg or _shipped_or_error("mtp")
+            weights = mtp.load(path, dtype=target.dtype)
+            vocab = checkpoint.load_draft_vocab(path, target.config.vocab_size)
         return mtp.MTPDrafter(num_draft or weights.config.num_modules, weights, target, draft_vocab=vocab)
     k = num_draft or DEFAULT_NUM_DRAFT.get(kind, 5)
     if kind == "ngram":

@@ -182,11 +182,11 @@ def _draft_map(get, names, nd: int, v: int, source: str) -> np.ndarray:
     return ids
 
 
-def to_published(w: Eagle3Weights, fmt: str, embed=None, verifier: dict | None = None,
-                 num_draft: int = 3, dtype=None) -> tuple[dict, dict[str, np.ndarray]]:
+def to_published(w: Eagle3Weights, fmt: str, embed=None, verifier: dict | None = None, num_draft: int = 3,
+                 dtype=None, max_positions: int | None = None) -> tuple[dict, dict[str, np.ndarray]]:
     """(config, tensors) of `w` in layout `fmt`. `embed [V, D]` is written as `embed_tokens`
     (the drafter's own table wins); `verifier` = {"name_or_path", "architectures"} for
-    `speculators`; `dtype` casts the float tensors."""
+    `speculators`; `dtype` casts the float tensors; `max_positions`: the target's context."""
     if fmt not in FORMATS:
         raise DrafterError(f"unknown EAGLE-3 layout {fmt!r} (known: {', '.join(FORMATS)})")
     cfg = w.config
@@ -215,8 +215,8 @@ def to_published(w: Eagle3Weights, fmt: str, embed=None, verifier: dict | None =
         t2d = np.zeros(v, bool)
         t2d[ids] = True
         tensors["t2d"] = t2d
-    hf = dataclasses.replace(lc, vocab_size=v).to_hf()
-    hf["num_hidden_layers"] = 1
+    hf = dataclasses.replace(lc, vocab_size=v, max_position_embeddings=max_positions or lc.max_position_embeddings)
+    hf = hf.to_hf()
     dtype_name = str(np.dtype(dtype)) if dtype is not None else str(tensors["fc.weight"].dtype)
     if fmt == EAGLE:
         config = {**hf, "architectures": [EAGLE_ARCH], "model_type": "llama", "draft_vocab_size": nd,

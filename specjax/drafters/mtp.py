@@ -70,6 +70,18 @@ class MTPConfig:
     rope_theta: float = 10000.0
     rope_scaling: tuple[float, float, float, int] | None = None
     rms_norm_eps: float = 1e-5
+    # Published variants (mtp_formats.py reads MTP layers out of target checkpoints):
+    attention_bias: bool = False  # the block's layer kind: q/k/v biases (Qwen2, MiMo)
+    qk_norm: bool = False  # ... per-head q/k norms (Qwen3)
+    hidden_first: bool = False  # proj reads [hnorm(h) ; enorm(embed)] (MiMo) instead of [embed ; h]
+    norm_feedback: bool = False  # a module's output is norm(block(u)), fed on and read by the head as is
+    # Draft k > N runs module (k - 1) mod N again, as vLLM runs a checkpoint's 1-3 MTP layers for
+    # any number of speculative tokens; 0 (specjax's own, trained per depth): at most N drafts.
+    max_drafts: int = 0
+
+    @property
+    def draft_limit(self) -> int:
+        return self.max_drafts or self.num_modules
 
     @classmethod
     def for_target(cls, target: LlamaConfig, num_modules: int = 3, intermediate_size: int | None = None):
@@ -99,15 +111,18 @@ class MTPConfig:
         return cls(**kw)
 
     def check_target(self, target: LlamaConfig, source: str = "MTP drafter") -> None:
-        checkpoint.check_target([("hidden size", self.hidden_size, target.hidden_size),
-                                 ("vocab size", self.target_vocab_size, target.vocab_size),
-                                 ("layer count", self.target_num_layers, target.num_layers)], source)
+        pairs = [("hidden size", self.hidden_size, target.hidden_size),
+                 ("vocab size", self.target_vocab_size, target.vocab_size)]
+        if self.target_num_layers:  # 0: read out of the target's own checkpoint
+            pairs.append(("layer count", self.target_num_layers, target.num_layers))
+        checkpoint.check_target(pairs, source)
 
 
 class MTPModule(nnx.Module):
     """One depth: input norms, the [2D] -> [D] projection, a decoder block, its output norm."""
 
     def __init__(self, cfg: MTPConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm = RMSNorm(d, eps, dtype=dtype)
         self.hnorm = RMSNorm(d, eps, dtype=dtype)
@@ -117,8 +132,14 @@ class MTPModule(nnx.Module):
 
     def __call__(self, emb, h_prev, cos, sin, k_cache, v_cache, starts):
         """emb, h_prev `[B, T, D]` at positions starts + t -> h `[B, T, D]` and both caches."""
-        u = jnp.concatenate([self.enorm(emb), self.hnorm(h_prev)], axis=-1)  # [B, T, 2D]
-        return self.block(linear(self.proj[...], u), cos, sin, k_cache, v_cache, starts)
+        parts = [self.enorm(emb), self.hnorm(h_prev)]
+        u = jnp.concatenate(parts[::-1] if self.cfg.hidden_first else parts, axis=-1)  # [B, T, 2D]
+        h, kc, vc = self.block(linear(self.proj[...], u), cos, sin, k_cache, v_cache, starts)  # h [B, T, D]
+        return (self.norm(h) if self.cfg.norm_feedback else h), kc, vc
+
+    def head_input(self, h: jax.Array) -> jax.Array:
+        """The output `[..., D]` as the LM head reads it: normed (once)."""
+        return h if self.cfg.norm_feedback else self.norm(h)
 
 
 class MTP(nnx.Module):
@@ -133,9 +154,9 @@ class MTP(nnx.Module):
         return rope_tables(self.cfg.layer_config(), positions)
 
     def run(self, k: int, emb, h_prev, cache: KVCache, cos, sin) -> tuple[jax.Array, KVCache]:
-        """Module k (1-based) over T positions at `cache.lengths`, writing cache layer k - 1
-        (lengths unchanged). emb, h_prev `[B, T, D]` -> h^k `[B, T, D]`."""
-        h, kc, vc = self.heads[k - 1](emb.astype(self.dtype), h_prev.astype(self.dtype), cos, sin,
+        """Draft depth k (1-based: module (k - 1) mod N) over T positions at `cache.lengths`,
+        writing cache layer k - 1 (lengths unchanged). emb, h_prev `[B, T, D]` -> h^k `[B, T, D]`."""
+        h, kc, vc = self.module_for(k)(emb.astype(self.dtype), h_prev.astype(self.dtype), cos, sin,
                                       cache.k[k - 1], cache.v[k - 1], cache.lengths)
         ks, vs = list(cache.k), list(cache.v)
         ks[k - 1], vs[k - 1] = kc, vc
@@ -143,7 +164,10 @@ class MTP(nnx.Module):
 
     def logits(self, k: int, h: jax.Array, head: jax.Array) -> jax.Array:
         """Module k's output `[..., D]` -> f32 target-vocab logits `[..., V]` (head `[V, D]`)."""
-        return linear(head, self.heads[k - 1].norm(h), jnp.float32)
+        return linear(head, self.module_for(k).head_input(h), jnp.float32)
+
+    def module_for(self, k: int) -> MTPModule:
+        return self.heads[(k - 1) % self.cfg.num_modules]
 
     @property
     def dtype(self):
@@ -208,10 +232,10 @@ class MTPDrafter(Drafter):
         """`draft_vocab` (`d2t [N]`, optional): the target ids the modules may propose; the head
         is then restricted to those rows (for SmolLM2 the full head is ~87% of a module's cost)."""
         super().__init__(num_draft)
-        n = weights.config.num_modules
+        n, limit = weights.config.num_modules, weights.config.draft_limit
         source = f"MTP drafter {weights.source}".strip()
-        if not 1 <= num_draft <= n:
-            raise DrafterError(f"{source} has {n} modules, so it drafts 1..{n} tokens per step; "
+        if not 1 <= num_draft <= limit:
+            raise DrafterError(f"{source} has {n} modules, so it drafts 1..{limit} tokens per step; "
                                f"got --num-draft {num_draft}")
         weights.config.check_target(target.config, source)
         self.weights, self.target = weights, target

@@ -13,8 +13,9 @@ from typing import Any
 
 from specjax.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MiMoForCausalLM")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mimo")  # MiMo: a Qwen2 trunk (+ MTP layers)
 # Model types whose layers specjax does not have: one line naming the feature.
 UNSUPPORTED_FEATURES = {"qwen2_moe": "mixture-of-experts layers", "qwen3_moe": "mixture-of-experts layers",
                         "qwen3_next": "linear-attention and mixture-of-experts layers",
@@ -106,7 +107,8 @@ class LlamaConfig:
             )
         if hf.get("sliding_window") and model_type == "mistral":
             raise ModelLoadError("sliding-window attention is not supported")
-        qwen = model_type in ("qwen2", "qwen3") or bool({"Qwen2ForCausalLM", "Qwen3ForCausalLM"} & set(archs))
+        qwen = model_type in ("qwen2", "qwen3", "mimo") or bool(
+            {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "MiMoForCausalLM"} & set(archs))
         layer_types = hf.get("layer_types") or []
         if (qwen and hf.get("use_sliding_window")) or "sliding_attention" in layer_types:
             raise ModelLoadError("sliding-window attention layers are not supported")

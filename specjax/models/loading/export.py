@@ -16,12 +16,16 @@ from specjax.models.loading.mapping import params_to_hf
 from specjax.models.loading.safetensors_io import save_file
 
 
-def save_hf(model: Model, out_dir: str) -> str:
+def save_hf(model: Model, out_dir: str, dtype: str | None = None) -> str:
+    """Write `model` (its tensors as `dtype`, default float32) with its tokenizer, if any."""
     os.makedirs(out_dir, exist_ok=True)
     pure = jax.tree.map(np.asarray, nnx.to_pure_dict(model.params))
+    dt = np.dtype(jax.numpy.dtype(dtype or "float32"))
+    config = {**model.config.to_hf(), "torch_dtype": str(dt)}
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
-        json.dump(model.config.to_hf(), fh, indent=2)
-    save_file(params_to_hf(model.config, pure), os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
+        json.dump(config, fh, indent=2)
+    tensors = {k: v.astype(dt) for k, v in params_to_hf(model.config, pure).items()}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
     if model.tokenizer is not None:
         model.tokenizer.save_pretrained(out_dir)
     return out_dir
