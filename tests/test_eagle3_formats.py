@@ -183,6 +183,13 @@ def test_eagle_layout_gives_the_same_drafter(hf_target_dir, target, tmp_path):
     b = eagle3_formats.load(eagle_dir, jnp.float32)
     assert a.config == b.config and np.array_equal(a.d2t, b.d2t)
     np.testing.assert_array_equal(specjax_logits(a, target, TOKENS), specjax_logits(b, target, TOKENS))
+    # SafeAILab's own EAGLE-3 heads ship as pytorch_model.bin: read without torch, the same drafter
+    f = SafetensorsFile(os.path.join(eagle_dir, "model.safetensors"))
+    os.makedirs(tmp_path / "bin")
+    torch.save({n: torch.from_numpy(np.array(f.get(n))) for n in f.names()}, tmp_path / "bin" / "pytorch_model.bin")
+    json.dump(json.load(open(os.path.join(eagle_dir, "config.json"))), open(tmp_path / "bin" / "config.json", "w"))
+    c = eagle3_formats.load(str(tmp_path / "bin"), jnp.float32)
+    np.testing.assert_array_equal(specjax_logits(c, target, TOKENS), specjax_logits(b, target, TOKENS))
 
 
 def test_published_drafter_is_lossless_in_the_engine(hf_target_dir, target, tmp_path):
@@ -341,3 +348,56 @@ def test_export_cli(shipped, default_model, tmp_path, capsys):
         assert main(["export", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0], err
+
+
+def test_default_layers_are_the_references(hf_target_dir, tmp_path):
+    """A published config naming no layers: specjax takes the hidden states speculators (and
+    vLLM, SGLang, EAGLE) default to, the inputs of layers 2, L/2, L - 3."""
+    from speculators.models.utils import resolve_target_layer_ids
+
+    reference_drafter(hf_target_dir).save_pretrained(str(tmp_path / "ok"))
+    bad = corrupt(str(tmp_path / "ok"), str(tmp_path / "noids"), lambda c: c.pop("eagle_aux_hidden_state_layer_ids"))
+    deep = tmp_path / "deep"  # a 14-layer target's config (speculators refuses repeated ids, as 6 layers give)
+    deep.mkdir()
+    json.dump({**json.load(open(os.path.join(hf_target_dir, "config.json"))), "num_hidden_layers": 14},
+              open(deep / "config.json", "w"))
+    w = eagle3_formats.load(bad, jnp.float32, target_num_layers=14)
+    with pytest.warns(UserWarning):
+        ids = resolve_target_layer_ids(None, str(deep))
+    assert w.config.target_layers == tuple(i - 1 for i in ids)
+    with pytest.raises(DrafterError, match="names no target layers"):
+        eagle3_formats.load(bad, jnp.float32)
+
+
+def test_drafter_for_another_vocab_or_depth(hf_target_dir, tmp_path):
+    from specjax.models.config import tiny
+    from specjax.models.loading import random_model
+
+    reference_drafter(hf_target_dir).save_pretrained(str(tmp_path))
+    shallow = random_model(tiny(vocab_size=V, hidden_size=D, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8))
+    with pytest.raises(DrafterError, match="reads target layer 4, but the target has 2 layers"):
+        make_drafter(f"eagle3:{tmp_path}", 3, shallow)
+    wide = random_model(tiny(vocab_size=128, hidden_size=D, num_layers=L, num_heads=4, num_kv_heads=2, head_dim=8))
+    with pytest.raises(DrafterError, match="vocab size 96, but this target has 128"):
+        make_drafter(f"eagle3:{tmp_path}", 3, wide)
+
+
+def test_qwen3_target_with_a_published_drafter(tmp_path):
+    """The newcomer's case: --model a Qwen3 directory, --drafter eagle3: a published drafter for
+    it with a Qwen3-type layer, in either layout: lossless greedy decoding."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(1)
+    cfg = Qwen3Config(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    Qwen3ForCausalLM(cfg).save_pretrained(str(tmp_path / "qwen3"))
+    target = load_model(str(tmp_path / "qwen3"), "float32", quiet=True)
+    assert target.config.qk_norm
+    reference_drafter(str(tmp_path / "qwen3"), qwen3=True, seed=8).save_pretrained(str(tmp_path / "spec"))
+    engine = Engine(target)
+    prompts = [[3, 5, 7, 11], [13, 17, 19]]
+    params = [SamplingParams(max_new_tokens=20)] * 2
+    plain = [r.token_ids for r in engine.generate(prompts, params)]
+    drafter = make_drafter(f"eagle3:{tmp_path / 'spec'}@0", 4, target)
+    assert drafter.weights.config.qk_norm
+    assert [r.token_ids for r in engine.generate(prompts, params, drafter=drafter)] == plain

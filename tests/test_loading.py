@@ -238,7 +238,9 @@ def test_gguf_conversion_cache_used_on_second_load(default_model, specjax_cache,
     must come from there without opening the GGUF reader, and give the same params."""
     from specjax.models.loading import CACHE_FORMAT
 
-    entries = glob.glob(os.path.join(specjax_cache, f"gguf-v{CACHE_FORMAT}-*"))
+    mine = json.loads(json.dumps(default_model.config.to_dict()))  # other tests convert other GGUFs
+    entries = [e for e in glob.glob(os.path.join(specjax_cache, f"gguf-v{CACHE_FORMAT}-*"))
+               if json.load(open(os.path.join(e, "config.json"))) == mine]
     assert len(entries) == 1
     for f in ("params.safetensors", "config.json", os.path.join("tokenizer", "tokenizer.json")):
         assert os.path.isfile(os.path.join(entries[0], f)), f
@@ -270,3 +272,29 @@ def test_gguf_path_given_explicitly(default_model, default_gguf_path):
     m = specjax.load_model(default_gguf_path, quiet=True)
     assert m.config == default_model.config and m.source == default_gguf_path
     assert np.array_equal(np.asarray(m.params["embed"][...]), np.asarray(default_model.params["embed"][...]))
+
+
+class _NotAWeight:
+    pass
+
+
+def test_torch_bin_reader_matches_torch_load(tmp_path):
+    """pytorch_model.bin read without torch: every dtype, views and non-contiguous tensors as
+    torch.load gives them; a pickled object that is not a tensor is refused, not run."""
+    from specjax.models.loading import torch_bin
+
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    sd = {"f32": torch.randn(3, 5), "bf16": torch.randn(7, 2).to(torch.bfloat16), "f16": torch.randn(4).half(),
+          "i64": torch.arange(-3, 9), "bool": torch.rand(10) > 0.5, "scalar": torch.tensor(2.5),
+          "transposed": base.t(), "row": base[2], "sliced": base[:, 1:4]}
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    got = torch_bin.load(str(tmp_path / "pytorch_model.bin"))
+    assert set(got) == set(sd)
+    for k, t in sd.items():
+        want = t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
+        assert got[k].shape == tuple(t.shape), k
+        np.testing.assert_array_equal(np.asarray(got[k], want.dtype), want, err_msg=k)
+    assert str(got["bf16"].dtype) == "bfloat16"
+    torch.save({"w": torch.ones(2), "x": _NotAWeight()}, tmp_path / "evil.bin")
+    with pytest.raises(ModelLoadError, match="refused: unpickling it could run code"):
+        torch_bin.load(str(tmp_path / "evil.bin"))

@@ -65,7 +65,28 @@ def open_checkpoint(model_dir: str):
     if os.path.isfile(single):
         f = SafetensorsFile(single)
         return f.get, set(f.names())
-    raise ModelLoadError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+    bins = _torch_bin_files(model_dir)
+    if bins:  # torch's pickle format, read without torch (torch_bin.py)
+        from specjax.models.loading.torch_bin import load
+
+        tensors = {}
+        for b in bins:
+            tensors.update(load(b))
+        return tensors.__getitem__, set(tensors)
+    raise ModelLoadError(f"{model_dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def _torch_bin_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "pytorch_model.bin.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as fh:
+                files = sorted(set(json.load(fh)["weight_map"].values()))
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: invalid index ({e})") from None
+        return [os.path.join(model_dir, f) for f in files]
+    single = os.path.join(model_dir, "pytorch_model.bin")
+    return [single] if os.path.isfile(single) else []
 
 
 def load_hf(model_dir: str, on_tensor=None) -> tuple[LlamaConfig, dict]:
