@@ -31,6 +31,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
 
 
+def drafter_specs(sep: str) -> str:
+    """The drafter specs `--drafter` takes, from the drafter registry."""
+    from specjax.drafters import KNOWN
+
+    return sep.join(KNOWN)
+
+
 def add_sampling_args(p: argparse.ArgumentParser, job_seed: bool = False) -> None:
     """`job_seed`: --seed is a batch job's seed (default 0, so a rerun reproduces the job) rather
     than every prompt's (default: a fresh one per prompt)."""
@@ -304,8 +311,7 @@ def cmd_serve_bench(a) -> int:
 
 
 def add_serving_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default="ngram", help="none | ngram | draft:PATH | eagle3[:PATH][@GATE] | mtp[:PATH] "
-                   "(mtp: one K, e.g. --ks 3)")
+    p.add_argument("--drafter", default="ngram", help=f"{drafter_specs(' | ')} (mtp: one K, e.g. --ks 3)")
     p.add_argument("--config", default=None, help="serving config YAML, e.g. configs/serving-policy.yaml")
     p.add_argument("--policy", default=None, choices=["rules", "always", "never", "schedule"],
                    help="how K is chosen (default: the config's, rules)")
@@ -338,7 +344,7 @@ def build_parser() -> ArgumentParser:
     g = sub.add_parser("generate", help="generate replies to prompts")
     add_model_args(g)
     add_sampling_args(g)
-    g.add_argument("--drafter", default="none", help="none | ngram | draft:PATH | mtp[:PATH] | eagle3[:PATH][@GATE]")
+    g.add_argument("--drafter", default="none", help=drafter_specs(" | "))
     g.add_argument("--num-draft", type=int, default=0, help="K, draft tokens per step, at most 64 (default 0: the "
                    "drafter's own, ngram 15, draft and eagle3 5, mtp its module count)")
     g.add_argument("--spec-policy", choices=("auto", "always"), default="auto", help="auto (default): each "
@@ -361,8 +367,7 @@ def build_parser() -> ArgumentParser:
     b.add_argument("--prompts", dest="prompts_file", default=None, help="a JSONL file of prompts (prompt or messages)")
     b.add_argument("--limit", type=int, default=None, help="use the first N prompts of each suite")
     b.add_argument("--drafters", default="ngram",
-                   help="comma-separated drafter specs: none, ngram, draft:PATH, mtp[:PATH], eagle3[:PATH][@GATE], ... "
-                   "(plain decoding is always run)")
+                   help=f"comma-separated drafter specs: {drafter_specs(', ')} (plain decoding is always run)")
     b.add_argument("--num-draft", default="3,5", help="comma-separated K values")
     b.add_argument("--spec-policy", default="always", help="comma-separated subset of always, auto: each drafter "
                    "configuration is measured under each; always (default): verify every proposal; auto: the "
@@ -400,7 +405,7 @@ def build_parser() -> ArgumentParser:
     j.add_argument("--output", required=True, help="results JSONL (appended; rerun the same command to resume)")
     add_model_args(j)
     add_sampling_args(j, job_seed=True)
-    j.add_argument("--drafter", default="none", help="none | ngram | draft:PATH | mtp[:PATH] | eagle3[:PATH][@GATE]")
+    j.add_argument("--drafter", default="none", help=drafter_specs(" | "))
     j.add_argument("--num-draft", type=int, default=0, help="K, draft tokens per step")
     j.add_argument("--spec-policy", default="auto", help="auto: each row verifies only while its acceptance pays "
                    "for a verify step at the step costs measured on each batch shape's first batch (kept in "

@@ -86,11 +86,8 @@ def get_drafter(spec: str | None, num_draft: int, target: Model) -> Drafter:
 
 
 def drafter_label(spec: str | None, d: Drafter) -> str:
-    """The spec as given (a path tells draft models apart), with EAGLE-3's effective gate."""
-    label = (spec or d.name).strip()
-    if d.name == "eagle3" and "@" not in label:
-        label += f"@{d.min_confidence:g}"
-    return label
+    """How reports name drafter `d` built from `spec` (`Drafter.label`)."""
+    return d.label(spec)
 
 
 def encode_prompt(model: Model, prompt: Prompt, raw: bool = False) -> list[int]:

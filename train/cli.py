@@ -19,8 +19,6 @@ from rich.console import Console
 
 from train.config import Recipe, RecipeError, load_recipe
 
-TASKS = ("eagle3", "mtp", "draft")
-
 
 def _read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
@@ -75,38 +73,26 @@ def sequences(target, recipe: Recipe, split: str, console: Console) -> list[tupl
     return seqs
 
 
+def task_class(drafter: str):
+    """The training task of a drafter kind (the registry's `Kind.train_task`)."""
+    from specjax.drafters import KINDS, TRAINABLE
+
+    if drafter not in TRAINABLE:
+        raise RecipeError(f"unknown drafter to train {drafter!r} (known: {', '.join(TRAINABLE)})")
+    return KINDS[drafter].task_class()
+
+
 def make_task(recipe: Recipe, target, counts):
-    if recipe.drafter == "eagle3":
-        from train.eagle3 import Eagle3Task
-
-        build = lambda: Eagle3Task(target, counts, **recipe.model)
-    elif recipe.drafter == "mtp":
-        from train.mtp import MTPTask
-
-        build = lambda: MTPTask(target, counts, **recipe.model)
-    elif recipe.drafter == "draft":
-        from train.draft_model import DraftDistillTask
-
-        build = lambda: DraftDistillTask(target, counts, **recipe.model)
-    else:
-        raise RecipeError(f"unknown drafter to train {recipe.drafter!r} (known: {', '.join(TASKS)})")
+    cls = task_class(recipe.drafter)
     try:
-        return build()
+        return cls(target, counts, **recipe.model)
     except (TypeError, ValueError) as e:
         raise RecipeError(f"model section: {e}") from None
 
 
 def feature_layers(recipe: Recipe, target) -> tuple[int, ...]:
-    """Target layers whose hidden states the store keeps (MTP and the draft model read only the
-    final hidden state, which every store has)."""
-    if recipe.drafter in ("mtp", "draft"):
-        return ()
-    if recipe.drafter == "eagle3":
-        from specjax.drafters.eagle3 import Eagle3Config
-
-        layers = recipe.model.get("target_layers")
-        return Eagle3Config.for_target(target.config, target_layers=layers).target_layers
-    raise RecipeError(f"unknown drafter to train {recipe.drafter!r} (known: {', '.join(TASKS)})")
+    """Target layers whose hidden states the store keeps (the final hidden state is always kept)."""
+    return task_class(recipe.drafter).feature_layers(target, recipe.model.get("target_layers"))
 
 
 def check_before_loading(recipe: Recipe) -> None:
@@ -117,14 +103,7 @@ def check_before_loading(recipe: Recipe) -> None:
 
     from specjax.files import check_can_create_dir
 
-    if recipe.drafter not in TASKS:
-        raise RecipeError(f"unknown drafter to train {recipe.drafter!r} (known: {', '.join(TASKS)})")
-    if recipe.drafter == "eagle3":
-        from train.eagle3 import Eagle3Task as task
-    elif recipe.drafter == "mtp":
-        from train.mtp import MTPTask as task
-    else:
-        from train.draft_model import DraftDistillTask as task
+    task = task_class(recipe.drafter)
     params = inspect.signature(task.__init__).parameters
     known = [p for p in params if p not in ("self", "target", "counts")]
     unknown = sorted(set(recipe.model) - set(known))

@@ -75,6 +75,10 @@ class DraftDistillTask:
 
     batch_axes = {"tokens": 0, "mask": 0, "argmax": 0, "final": 0}
 
+    @staticmethod
+    def feature_layers(target, target_layers=None) -> tuple[int, ...]:
+        return ()  # reads the final hidden state only
+
     def __init__(self, target, counts=None, num_layers: int = 3, eval_k: int = 5, loss_chunk: int = 32,
                  loss_positions: int | None = None, draft_vocab_size: int = 0):
         from specjax.models.loading.export import truncate_layers

@@ -129,6 +129,13 @@ class Eagle3Task:
 
     batch_axes = {"tokens": 0, "mask": 0, "argmax": 0, "final": 0, "hidden": 1}
 
+    @staticmethod
+    def feature_layers(target, target_layers=None) -> tuple[int, ...]:
+        """The target layers whose outputs the feature store keeps (the recipe's, or the default)."""
+        from specjax.drafters.eagle3 import Eagle3Config
+
+        return Eagle3Config.for_target(target.config, target_layers=target_layers).target_layers
+
     def __init__(self, target, counts, draft_vocab_size: int = 8192, target_layers=None, ttt_steps: int = 3,
                  decay: float = 0.8, eval_k: int = 5, intermediate_size: int | None = None):
         from specjax.drafters.base import vocab_maps

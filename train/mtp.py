@@ -98,6 +98,10 @@ class MTPTask:
 
     batch_axes = {"tokens": 0, "mask": 0, "argmax": 0, "final": 0}
 
+    @staticmethod
+    def feature_layers(target, target_layers=None) -> tuple[int, ...]:
+        return ()  # reads the final hidden state only
+
     def __init__(self, target, counts=None, num_modules: int = 3, intermediate_size: int | None = None,
                  depth_weights: list[float] | None = None, decay: float = 0.8, eval_k: int | None = None,
                  loss_chunk: int = 32, loss_positions: int | None = None, draft_vocab_size: int = 0):

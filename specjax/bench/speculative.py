@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import statistics
 import time
 
@@ -62,29 +61,14 @@ class Config:
         return (self.spec, self.num_draft, self.spec_policy)
 
 
-def known_drafter_kinds() -> tuple[str, ...] | None:
-    """Drafter kinds `make_drafter` accepts, read from its `KNOWN` list ("draft:PATH" and
-    "mtp[:PATH]" -> "draft", "mtp"); None when the module does not publish one."""
-    from specjax import drafters
-
-    known = getattr(drafters, "KNOWN", None)
-    if not known:
-        return None
-    return tuple(m.group(0) for m in (re.match(r"[A-Za-z0-9_]+", k) for k in known) if m)
-
-
 def check_drafter_names(specs: list[str]) -> None:
     """Cheap check of drafter names before the target loads; `resolve_configs` does the rest."""
-    kinds = known_drafter_kinds()
+    from specjax.drafters import KINDS, KNOWN, split_spec
+
     if not specs:
         raise DrafterError("--drafters is empty (give none, ngram, draft:PATH, ...)")
-    if kinds is None:
-        return
-    from specjax.drafters import KNOWN, split_spec
-
     for s in specs:
-        kind = split_spec(s)[0]
-        if kind not in kinds:
+        if split_spec(s)[0] not in KINDS:
             raise DrafterError(f"unknown drafter {s!r} (known: {', '.join(KNOWN)})")
 
 

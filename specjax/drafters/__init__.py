@@ -13,16 +13,14 @@ default is `eagle3.default_min_confidence()` (on CPU only).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable
 
 from specjax.drafters.base import Drafter, NoDrafter
 from specjax.errors import DrafterError, ModelLoadError
 
-# n-gram: up to 15 drafts, of which it asks to verify all only behind a match of 5+ tokens, else 3
-# (NgramDrafter.verify_lengths; docs/performance.md: 2.13x vs 1.73x at K = 3 on code completion).
-DEFAULT_NUM_DRAFT = {"ngram": 15, "draft": 5, "eagle3": 5}
 MAX_NUM_DRAFT = 64  # a verify pass of K + 1 positions; past this the pass costs more than it saves
-KNOWN = ("none", "ngram", "draft[:PATH]", "mtp[:PATH]", "eagle3[:PATH][@GATE]")
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "shipped")
 SHIPPED_FOR = "smollm2-135m"
 
@@ -78,49 +76,97 @@ def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = N
 
 def _make_drafter(spec: str | None, num_draft: int, target, dtype: str | None, load) -> Drafter:
     spec = (spec or "none").strip()
-    kind, arg = split_spec(spec)
+    name, arg = split_spec(spec)
     if not 0 <= num_draft <= MAX_NUM_DRAFT:
         raise DrafterError(f"num_draft (--num-draft) must be in [0, {MAX_NUM_DRAFT}], got {num_draft}")
-    if kind == "none":
-        if num_draft:
-            raise DrafterError("num_draft > 0 needs a drafter (--drafter ngram | draft:PATH)")
-        return NoDrafter()
-    if kind == "mtp":
-        from specjax.drafters import checkpoint, mtp, mtp_formats
+    kind = KINDS.get(name)
+    if kind is None:
+        raise DrafterError(f"unknown drafter {spec!r} (known: {', '.join(KNOWN)})")
+    if not kind.takes_arg and arg:
+        raise DrafterError(f"the {name} drafter takes no argument, got {spec!r}")
+    return kind.build(spec, arg, num_draft or kind.default_num_draft, target, dtype, load)
 
-        inside = arg or mtp_formats.checkpoint_dir(target)  # MTP layers in a target checkpoint, as vLLM reads them
-        if mtp_formats.has_mtp(inside, target.config.num_layers):
-            weights, vocab = mtp_formats.load(inside, target, target.dtype), None
-        else:
-            path = arg or _shipped_or_error("mtp")
-            weights = mtp.load(path, dtype=target.dtype)
-            vocab = checkpoint.load_draft_vocab(path, target.config.vocab_size)
-        return mtp.MTPDrafter(num_draft or weights.config.num_modules, weights, target, draft_vocab=vocab)
-    k = num_draft or DEFAULT_NUM_DRAFT.get(kind, 5)
-    if kind == "ngram":
-        from specjax.drafters.ngram import NgramDrafter
 
-        if arg:
-            raise DrafterError(f"the ngram drafter takes no argument, got {spec!r}")
+def _none(spec, arg, num_draft, target, dtype, load) -> Drafter:
+    if num_draft:
+        raise DrafterError("num_draft > 0 needs a drafter (--drafter ngram | draft:PATH)")
+    return NoDrafter()
 
-        return NgramDrafter(k)
-    if kind == "draft":
-        from specjax.drafters import checkpoint, draft_model
-        from specjax.models.loading import load_model
 
-        path = arg or _shipped_or_error("draft")
-        if draft_model.borrows_target_tables(path):  # distilled: the target's embedding and head
-            draft = draft_model.load_with_target_tables(path, target, dtype or str(target.dtype))
-        else:
-            draft = (load or load_model)(path, dtype or str(target.dtype))
-        vocab = checkpoint.load_draft_vocab(path, target.config.vocab_size)  # None for a GGUF file
-        return draft_model.DraftModelDrafter(k, draft, target.config, draft_vocab=vocab)
-    if kind == "eagle3":
-        from specjax.drafters import eagle3, eagle3_formats
+def _ngram(spec, arg, num_draft, target, dtype, load) -> Drafter:
+    from specjax.drafters.ngram import NgramDrafter
 
-        arg, gate = _gate_suffix(arg, spec)
-        path = arg or _shipped_or_error("eagle3")
-        weights = eagle3_formats.load(path, target.dtype, target.config.num_layers)
-        gate = eagle3.default_min_confidence() if gate is None else gate
-        return eagle3.Eagle3Drafter(k, weights, target, min_confidence=gate)
-    raise DrafterError(f"unknown drafter {spec!r} (known: {', '.join(KNOWN)})")
+    return NgramDrafter(num_draft)
+
+
+def _draft(spec, arg, num_draft, target, dtype, load) -> Drafter:
+    from specjax.drafters import checkpoint, draft_model
+    from specjax.models.loading import load_model
+
+    path = arg or _shipped_or_error("draft")
+    if draft_model.borrows_target_tables(path):  # distilled: the target's embedding and head
+        draft = draft_model.load_with_target_tables(path, target, dtype or str(target.dtype))
+    else:
+        draft = (load or load_model)(path, dtype or str(target.dtype))
+    vocab = checkpoint.load_draft_vocab(path, target.config.vocab_size)  # None for a GGUF file
+    return draft_model.DraftModelDrafter(num_draft, draft, target.config, draft_vocab=vocab)
+
+
+def _mtp(spec, arg, num_draft, target, dtype, load) -> Drafter:
+    from specjax.drafters import checkpoint, mtp, mtp_formats
+
+    inside = arg or mtp_formats.checkpoint_dir(target)  # MTP layers in a target checkpoint, as vLLM reads them
+    if mtp_formats.has_mtp(inside, target.config.num_layers):
+        weights, vocab = mtp_formats.load(inside, target, target.dtype), None
+    else:
+        path = arg or _shipped_or_error("mtp")
+        weights = mtp.load(path, dtype=target.dtype)
+        vocab = checkpoint.load_draft_vocab(path, target.config.vocab_size)
+    return mtp.MTPDrafter(num_draft or weights.config.num_modules, weights, target, draft_vocab=vocab)
+
+
+def _eagle3(spec, arg, num_draft, target, dtype, load) -> Drafter:
+    from specjax.drafters import eagle3, eagle3_formats
+
+    arg, gate = _gate_suffix(arg, spec)
+    path = arg or _shipped_or_error("eagle3")
+    weights = eagle3_formats.load(path, target.dtype, target.config.num_layers)
+    gate = eagle3.default_min_confidence() if gate is None else gate
+    return eagle3.Eagle3Drafter(num_draft, weights, target, min_confidence=gate)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """What specjax knows of one drafter kind before importing it: every name-keyed site (the
+    factory, CLI help, bench name checks, training, export) reads this table. Adding a drafter =
+    its module, a builder here and one `Kind` row (+ a training task)."""
+
+    name: str  # as a spec names it
+    usage: str  # "eagle3[:PATH][@GATE]"
+    build: Callable  # (spec, arg, K, target, dtype, load) -> Drafter
+    default_num_draft: int = 0  # K when --num-draft is 0 (0: the drafter decides, e.g. MTP's module count)
+    takes_arg: bool = True
+    train_task: str | None = None  # "module:Class" of its `specjax train` task
+    export_formats: tuple[str, ...] = ()  # `specjax export --format` values
+
+    def task_class(self):
+        """The training task class (imported on use)."""
+        import importlib
+
+        module, _, cls = self.train_task.partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+# n-gram: up to 15 drafts, of which it asks to verify all only behind a match of 5+ tokens, else 3
+# (NgramDrafter.verify_lengths; docs/performance.md: 2.13x vs 1.73x at K = 3 on code completion).
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    Kind("none", "none", _none, takes_arg=False),
+    Kind("ngram", "ngram", _ngram, 15, takes_arg=False),
+    Kind("draft", "draft[:PATH]", _draft, 5, train_task="train.draft_model:DraftDistillTask", export_formats=("hf",)),
+    Kind("mtp", "mtp[:PATH]", _mtp, 0, train_task="train.mtp:MTPTask"),
+    Kind("eagle3", "eagle3[:PATH][@GATE]", _eagle3, 5, train_task="train.eagle3:Eagle3Task",
+         export_formats=("eagle", "speculators")),
+)}
+KNOWN = tuple(k.usage for k in KINDS.values())
+DEFAULT_NUM_DRAFT = {k.name: k.default_num_draft for k in KINDS.values() if k.default_num_draft}
+TRAINABLE = tuple(k.name for k in KINDS.values() if k.train_task)

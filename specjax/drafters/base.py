@@ -27,6 +27,7 @@ feeds it followed by the K drafts.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import jax
@@ -102,9 +103,23 @@ class Drafter:
     # `catch_up` in one context before the next proposal or once K + 1 have gathered, so a row
     # that does not verify pays its drafter's upkeep once per K + 1 steps, in one wider pass.
     lazy_commit: bool = False
+    # Whether the state's layout or currency depends on K (MTP keeps one cache per draft depth), so
+    # that one state cannot serve several K (serving/slots.py).
+    k_dependent_state: bool = False
 
     def __init__(self, num_draft: int):
         self.num_draft = int(num_draft)
+
+    def with_num_draft(self, k: int) -> "Drafter":
+        """This drafter drafting `k` tokens per step: a new object (the same weights), never a
+        changed one; everything derived from K is derived on use."""
+        d = copy.copy(self)
+        d.num_draft = int(k)
+        return d
+
+    def label(self, spec: str | None) -> str:
+        """How reports name it: the spec as given (a path tells two draft models apart)."""
+        return (spec or self.name).strip()
 
     def cache_key(self) -> tuple:
         """Everything static that changes the compiled code."""

@@ -286,6 +286,11 @@ class Eagle3Drafter(Drafter):
     def cache_key(self):
         return super().cache_key() + (id(self.weights), self.hidden_layers, self.min_confidence)
 
+    def label(self, spec: str | None) -> str:
+        """The spec with the effective gate (`eagle3@0.5`)."""
+        label = super().label(spec)
+        return label if "@" in label else f"{label}@{self.min_confidence:g}"
+
     def params(self):
         embed = self.target.params["embed"][...] if self.embed is None else self.embed  # [V, D]
         return {"net": self.weights.params, "d2t": self.weights.d2t, "embed": embed}

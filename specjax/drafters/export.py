@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import os
 
-from specjax.drafters import make_drafter, split_spec
+from specjax.drafters import KINDS, make_drafter, split_spec
 from specjax.errors import DrafterError
 
-FORMATS = {"eagle3": ("eagle", "speculators"), "draft": ("hf",)}
+FORMATS = {k.name: k.export_formats for k in KINDS.values() if k.export_formats}
 # The hub id of the embedded default model: the verifier a `speculators` export for it names.
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -31,8 +31,8 @@ def export_drafter(spec: str, fmt: str, out_dir: str, model_path: str | None = N
 
     kind, _ = split_spec(spec)
     if kind not in FORMATS:
-        raise DrafterError(f"{kind!r} drafters have no published format to export to (exportable: "
-                           f"eagle3 -> {' | '.join(FORMATS['eagle3'])}, draft -> hf)")
+        can = ", ".join(f"{k} -> {' | '.join(f)}" for k, f in FORMATS.items())
+        raise DrafterError(f"{kind!r} drafters have no published format to export to (exportable: {can})")
     if fmt not in FORMATS[kind]:
         raise DrafterError(f"--format {fmt!r}: a {kind} drafter exports as {' | '.join(FORMATS[kind])}")
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):

@@ -239,8 +239,13 @@ class MTPDrafter(Drafter):
                                f"got --num-draft {num_draft}")
         weights.config.check_target(target.config, source)
         self.weights, self.target = weights, target
-        self.window = max(num_draft - 1, 1)  # W
         self.d2t = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
+
+    k_dependent_state = True  # one cache per draft depth, and the window W follows K
+
+    @property
+    def window(self) -> int:  # W
+        return max(self.num_draft - 1, 1)
 
     def cache_key(self):
         return super().cache_key() + (id(self.weights), id(self.d2t))

@@ -32,7 +32,6 @@ would need a target pass over the whole history, so it is served at one fixed K 
 
 from __future__ import annotations
 
-import copy
 import time
 from functools import partial
 
@@ -48,14 +47,6 @@ from specjax.models.loading import Model
 from specjax.sampling import SamplingArrays, SamplingParams
 
 STOP_WIDTH = 8  # stop ids per row: EOS ids + the request's own stop_token_ids
-K_DEPENDENT_STATE = ("mtp",)  # drafters whose state layout / currency depends on K (see above)
-
-
-def with_num_draft(drafter: Drafter, k: int) -> Drafter:
-    """The same drafter (same weights, same state layout) proposing k tokens per step."""
-    d = copy.copy(drafter)
-    d.num_draft = int(k)
-    return d
 
 
 def _put_row(big, small, slot):
@@ -121,7 +112,7 @@ class SlotEngine:
             raise ValueError(f"K values must be >= 0, got {ks}")
         if self.ks[-1] > 0 and isinstance(drafter, NoDrafter):
             raise ValueError("K > 0 needs a drafter")
-        if drafter.name in K_DEPENDENT_STATE and (len(self.ks) != 1 or self.ks[0] == 0):
+        if drafter.k_dependent_state and (len(self.ks) != 1 or self.ks[0] == 0):
             raise DrafterError(f"the {drafter.name} drafter's state depends on K, so it cannot switch K "
                                f"between chunks: serve it with one K > 0 (e.g. ks: [{drafter.num_draft}])")
         self.buckets = tuple(sorted({int(b) for b in buckets}))
@@ -130,7 +121,7 @@ class SlotEngine:
         self.model = model
         self.drafter = drafter
         self.drafter_name = drafter.name
-        self.variants = {k: with_num_draft(drafter, k) for k in self.ks}
+        self.variants = {k: drafter.with_num_draft(k) for k in self.ks}
         self.kmax = self.ks[-1]
         ctx = model.config.max_position_embeddings
         self.max_seq_len = min(int(max_seq_len or ctx), ctx)
