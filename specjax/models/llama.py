@@ -145,28 +145,30 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # [B, T, N, H], [B, T, KV, H]
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def attend(self, x, cos, sin, k_cache, v_cache, starts):
+    def attend(self, x, cos, sin, k_cache, v_cache, starts, mask=None):
         """x `[B, T, Din]`; k_cache, v_cache `[B*KV, S, H]` (kv_cache.py), read only; starts `[B]`
-        (= cache lengths). Returns the output `[B, T, D]` and the new keys and values
-        `[B, T, KV, H]`, not written: a caller that picks one of several passes under `lax.cond`
-        writes the chosen one's afterwards, and XLA then updates the cache in place (a pass that
-        wrote inside a branch made XLA copy every cache buffer twice per step)."""
+        (= cache lengths); mask `[B, T, T]` over the new positions (None: causal). Returns the
+        output `[B, T, D]` and the new keys and values `[B, T, KV, H]`, not written: a caller that
+        picks one of several passes under `lax.cond` writes the chosen one's afterwards, and XLA
+        then updates the cache in place (a pass that wrote inside a branch made XLA copy every
+        cache buffer twice per step)."""
         q, k, v = self.project(x, cos, sin)
-        return attention(self.cfg, self.o[...], q, k, v, k_cache, v_cache, starts), k, v
+        return attention(self.cfg, self.o[...], q, k, v, k_cache, v_cache, starts, mask), k, v
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, starts):
+    def __call__(self, x, cos, sin, k_cache, v_cache, starts, mask=None):
         """`attend` with the new keys and values written at `starts` first (a read of the cache
         after its in-place update needs no copy): returns the output `[B, T, D]` and both caches."""
         q, k, v = self.project(x, cos, sin)
         k_cache, v_cache = write_layer(k_cache, v_cache, k, v, starts)
-        return attention(self.cfg, self.o[...], q, k, v, k_cache, v_cache, starts), k_cache, v_cache
+        return attention(self.cfg, self.o[...], q, k, v, k_cache, v_cache, starts, mask), k_cache, v_cache
 
 
-def attention(cfg: LlamaConfig, o_weight, q, k, v, k_cache, v_cache, starts):
+def attention(cfg: LlamaConfig, o_weight, q, k, v, k_cache, v_cache, starts, mask=None):
     """Grouped-query attention of T new queries `q [B, T, N, H]` over the cache's first `starts
     [B]` positions (`k_cache, v_cache [B*KV, S, H]`; entries at `starts` and past are ignored,
-    written or not) and, causally, their own keys and values `k, v [B, T, KV, H]`: one softmax
-    over both parts. Returns the output projection `[B, T, D]`."""
+    written or not) and their own keys and values `k, v [B, T, KV, H]`, causally or, given
+    `mask [B, T, T]` (query i sees new key j), as it says (a token tree: its ancestor mask): one
+    softmax over both parts. Returns the output projection `[B, T, D]`."""
     b, t = q.shape[:2]
     n, kv, h, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_groups
     # Queries grouped by KV head: row (b, j) of the cache serves M = T*G query vectors. Scores are
@@ -178,7 +180,10 @@ def attention(cfg: LlamaConfig, o_weight, q, k, v, k_cache, v_cache, starts):
     acc = jnp.promote_types(v_cache.dtype, jnp.float32)  # scores, softmax and sums: f32 (f64 for f64)
     scale, lowest = 1.0 / math.sqrt(h), jnp.finfo(acc).min
     old_ok = jnp.repeat(jnp.arange(s)[None, :] < starts[:, None], kv, axis=0)[:, :, None]  # [B*KV, S, 1]
-    new_ok = jnp.repeat(jnp.arange(t)[:, None] <= jnp.arange(t)[None, :], g, axis=1)[None]  # [1, T, M]
+    if mask is None:
+        new_ok = jnp.repeat(jnp.arange(t)[:, None] <= jnp.arange(t)[None, :], g, axis=1)[None]  # [1, T, M]
+    else:  # [B, Tq, Tk] -> keys major, queries x groups: [B*KV, Tk, M]
+        new_ok = jnp.repeat(jnp.repeat(jnp.swapaxes(mask, 1, 2), g, axis=2), kv, axis=0)
     s_old = jnp.einsum("NSH,NMH->NSM", k_cache, q, preferred_element_type=acc) * scale
     s_new = jnp.einsum("NTH,NMH->NTM", k_new, q, preferred_element_type=acc) * scale
     s_old = jnp.where(old_ok, s_old, lowest)  # [B*KV, S, M]
@@ -213,16 +218,16 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
 
-    def attend(self, x, cos, sin, k_cache, v_cache, starts):
+    def attend(self, x, cos, sin, k_cache, v_cache, starts, mask=None):
         """x `[B, T, D]` -> (output `[B, T, D]`, new k, v `[B, T, KV, H]`, not written)."""
-        return self._run(self.attn.attend, x, cos, sin, k_cache, v_cache, starts)
+        return self._run(self.attn.attend, x, cos, sin, k_cache, v_cache, starts, mask)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, starts):
+    def __call__(self, x, cos, sin, k_cache, v_cache, starts, mask=None):
         """`attend` with the new keys and values written: (output, k_cache, v_cache)."""
-        return self._run(self.attn, x, cos, sin, k_cache, v_cache, starts)
+        return self._run(self.attn, x, cos, sin, k_cache, v_cache, starts, mask)
 
-    def _run(self, attn, x, cos, sin, k_cache, v_cache, starts):
-        a, k, v = attn(self.attn_norm(x), cos, sin, k_cache, v_cache, starts)
+    def _run(self, attn, x, cos, sin, k_cache, v_cache, starts, mask):
+        a, k, v = attn(self.attn_norm(x), cos, sin, k_cache, v_cache, starts, mask)
         x = x + a
         return x + self.mlp(self.mlp_norm(x)), k, v
 
@@ -248,34 +253,37 @@ class Llama(nnx.Module):
         """Final normed hidden `[..., D]` -> f32 logits `[..., V]`."""
         return linear(self.head_weight(), h, jnp.float32)
 
-    def hidden(self, tokens, cache: KVCache, collect: tuple[int, ...] = (), embeds=None):
-        """Run the decoder over `tokens [B, T]` placed at `cache.lengths`.
+    def hidden(self, tokens, cache: KVCache, collect: tuple[int, ...] = (), positions=None, mask=None):
+        """Run the decoder over `tokens [B, T]` written at `cache.lengths`, at rope `positions
+        [B, T]` (default: lengths + t) attending as `mask [B, T, T]` says among themselves
+        (default: causal; a token tree passes its ancestor mask and lengths + depth, tree.py).
 
         Returns the final normed hidden `[B, T, D]`, the cache with the new K/V written (lengths
         unchanged) and the hidden states of the `collect` layers `[n, B, T, D]` (or None).
         """
-        h, ks, vs, collected = self._layers(tokens, cache, collect, embeds, write=True)
+        h, ks, vs, collected = self._layers(tokens, cache, collect, positions, mask, write=True)
         return h, cache.replace(k=ks, v=vs), collected
 
-    def hidden_kv(self, tokens, cache: KVCache, collect: tuple[int, ...] = (), embeds=None):
+    def hidden_kv(self, tokens, cache: KVCache, collect: tuple[int, ...] = (), positions=None, mask=None):
         """`hidden` with the cache read only: returns the final normed hidden `[B, T, D]`, the
         new keys and values (`KVUpdate` `[B, T, KV, H]` per layer, for `KVCache.write`) and the
         collected hidden states. Same arithmetic as `hidden`."""
-        h, ks, vs, collected = self._layers(tokens, cache, collect, embeds, write=False)
+        h, ks, vs, collected = self._layers(tokens, cache, collect, positions, mask, write=False)
         return h, KVUpdate(ks, vs), collected
 
-    def _layers(self, tokens, cache, collect, embeds, write: bool):
+    def _layers(self, tokens, cache, collect, positions, mask, write: bool):
         """-> (final normed hidden, keys and values per layer: the written buffers `[B*KV, S, H]`
         with `write`, else the new entries `[B, T, KV, H]`, collected hidden states)."""
-        x = self.embed_tokens(tokens) if embeds is None else embeds  # [B, T, D]
+        x = self.embed_tokens(tokens)  # [B, T, D]
         b, t = tokens.shape
         starts = cache.lengths
-        positions = starts[:, None] + jnp.arange(t)[None, :]  # [B, T]
+        if positions is None:
+            positions = starts[:, None] + jnp.arange(t)[None, :]  # [B, T]
         cos, sin = rope_tables(self.cfg, positions)
         outs, ks, vs = [], [], []
         for layer, k_l, v_l in zip(self.layers, cache.k, cache.v, strict=True):
             run = layer if write else layer.attend
-            x, k, v = run(x, cos, sin, k_l, v_l, starts)  # x [B, T, D]; k, v [B*KV, S, H] | [B, T, KV, H]
+            x, k, v = run(x, cos, sin, k_l, v_l, starts, mask)  # x [B, T, D]; k, v [B*KV, S, H] | [B, T, KV, H]
             outs.append(x)
             ks.append(k)
             vs.append(v)

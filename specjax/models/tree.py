@@ -1,0 +1,35 @@
+"""Token trees as data: a proposal of T nodes is `parents [B, T]` (node i's parent index < i, or -1
+for a child of the last committed token). A chain is `parents = i - 1`.
+
+One target pass verifies every node of a tree: node i sits at position `lengths + depth[i]` and
+attends to the committed prefix and to its own ancestors (`ancestor_mask`); `Llama.hidden` takes
+both. The accepted root-to-leaf path is then moved into place by `KVCache.compact(path)`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def ancestor_mask(parents: jax.Array) -> jax.Array:
+    """parents `[B, T]` -> `[B, T, T]` bool: entry (i, j) is True when node j is node i or one of
+    its ancestors (the attention mask among the tree's own nodes)."""
+    b, t = parents.shape
+    nodes = jnp.arange(t)
+    mask = jnp.broadcast_to(nodes[:, None] == nodes[None, :], (b, t, t))  # [B, T, T] self
+    cur = parents  # [B, T] the ancestor reached so far (-1: past the root)
+    for _ in range(t - 1):  # depth < T: T - 1 jumps reach every ancestor
+        mask = mask | ((cur[:, :, None] == nodes[None, None, :]) & (cur[:, :, None] >= 0))
+        cur = jnp.where(cur >= 0, jnp.take_along_axis(parents, jnp.maximum(cur, 0), axis=1), -1)
+    return mask
+
+
+def depths(parents: jax.Array) -> jax.Array:
+    """parents `[B, T]` -> depth `[B, T]` int32 (0 for children of the committed prefix)."""
+    return jnp.sum(ancestor_mask(parents), axis=-1).astype(jnp.int32) - 1
+
+
+def chain_parents(batch: int, t: int) -> jax.Array:
+    """`[B, T]` parents of a chain (i - 1)."""
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None] - 1, (batch, t))
