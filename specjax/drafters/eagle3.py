@@ -162,11 +162,15 @@ class Eagle3(nnx.Module):
         g = h + self.mlp(self.mlp_norm(h))  # [B, T, D]
         return self.norm(g) if self.cfg.norm_output else g
 
-    def step(self, emb: jax.Array, feat: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """One pass over T positions at `cache.lengths` (one-layer cache; lengths unchanged)."""
-        positions = cache.lengths[:, None] + jnp.arange(emb.shape[1])[None]  # [B, T]
+    def step(self, emb: jax.Array, feat: jax.Array, cache: KVCache, positions=None, mask=None):
+        """One pass over T positions written at `cache.lengths` (one-layer cache; lengths
+        unchanged), at rope `positions [B, T]` (default lengths + t) attending among themselves as
+        `mask [B, T, T]` says (default causal; a token tree: its ancestor mask). Returns g
+        `[B, T, D]` and the cache."""
+        if positions is None:
+            positions = cache.lengths[:, None] + jnp.arange(emb.shape[1])[None]  # [B, T]
         cos, sin = rope_tables(self.cfg.layer_config(), positions)
-        a, k, v = self.attn(self.layer_input(emb, feat), cos, sin, cache.k[0], cache.v[0], cache.lengths)
+        a, k, v = self.attn(self.layer_input(emb, feat), cos, sin, cache.k[0], cache.v[0], cache.lengths, mask)
         return self.finish(feat, a), cache.replace(k=(k,), v=(v,))
 
     def logits(self, g: jax.Array) -> jax.Array:

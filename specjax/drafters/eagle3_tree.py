@@ -1,0 +1,95 @@
+"""EAGLE-2 dynamic token trees from an EAGLE-3 drafter state (Li et al. 2024).
+
+From the accepted prefix (drafter cache of length m, output g_{m-1}):
+
+* level 1: the top-k tokens of the drafter's distribution at g_{m-1}, scored by log-probability;
+* level d >= 2: the k best nodes of level d - 1 by cumulative score are expanded: one drafter
+  step on [embed(node) ; g(parent)] at position m + d - 2, attending to the prefix and to the
+  node's expanded ancestors (the tree mask), whose top-k children join level d;
+* the tree is the `num_nodes` best candidates overall by cumulative score; scores fall along a
+  path, so a kept node's ancestors are kept (ties go to the earlier, shallower node).
+
+Shapes are static: C = k + (D - 1) k^2 candidates, E = (D - 1) k expansions. Every level's pass
+reruns the expansions before it (T grows to E <= 40 positions for k, D <= 8, 6): simple and
+exact; an engine would keep them in the drafter cache instead. k = 1 is chain drafting.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.tree import ancestor_mask
+
+
+def dynamic_tree(net, embed, d2t, cache, g_last, topk: int, depth: int, num_nodes: int):
+    """net: an `Eagle3` module; embed `[V, D]` the token table; d2t `[N]` draft -> target ids;
+    cache: the drafter cache with lengths m `[B]`; g_last `[B, D]`.
+
+    Returns tokens `[B, num_nodes]` (target ids), parents `[B, num_nodes]` (-1: child of the
+    prefix), depths `[B, num_nodes]` (0-based) and cumulative log-probabilities, ordered so that
+    parents come before their children.
+    """
+    b = g_last.shape[0]
+    k = topk
+    logp = jax.nn.log_softmax(net.logits(g_last), axis=-1)  # [B, N]
+    score, tok = jax.lax.top_k(logp, k)  # [B, k] level 1
+    c_tok, c_score = tok, score  # candidates: draft-vocab ids, cumulative scores
+    c_par = jnp.full((b, k), -1, jnp.int32)  # candidate parent (candidate index)
+    c_depth = jnp.zeros((b, k), jnp.int32)
+    e_cand = jnp.zeros((b, 0), jnp.int32)  # expanded candidates, by expansion index
+    e_in = jnp.zeros((b, 0, g_last.shape[-1]), g_last.dtype)  # the feature each expansion reads
+    e_out = e_in  # its output g (the feature its children read)
+    e_par = jnp.zeros((b, 0), jnp.int32)  # expansion index of the parent's expansion (-1: root)
+    c_exp = jnp.full((b, k), -1, jnp.int32)  # candidate -> its expansion index
+    level_start = 0
+    for d in range(2, depth + 1):
+        level = jnp.arange(level_start, c_tok.shape[1])  # candidates of level d - 1
+        _, pick = jax.lax.top_k(c_score[:, level], k)  # [B, k] frontier among them
+        front = level[pick]  # [B, k] candidate indices
+        par_c = jnp.take_along_axis(c_par, front, axis=1)  # [B, k]
+        par_e = jnp.where(par_c >= 0, jnp.take_along_axis(c_exp, jnp.maximum(par_c, 0), axis=1), -1)  # [B, k]
+        outs = jnp.concatenate([g_last[:, None], e_out], axis=1)  # [B, 1 + E, D]: root, expansions
+        new_in = jnp.take_along_axis(outs, (par_e + 1)[..., None], axis=1)  # [B, k, D]
+        base = e_cand.shape[1]
+        e_cand = jnp.concatenate([e_cand, front], axis=1)  # [B, E]
+        e_par = jnp.concatenate([e_par, par_e], axis=1)
+        e_in = jnp.concatenate([e_in, new_in], axis=1)  # [B, E, D]
+        c_exp = jnp.concatenate([c_exp, jnp.full((b, k * k), -1, jnp.int32)], axis=1)
+        c_exp = jax.vmap(lambda ce, f: ce.at[f].set(base + jnp.arange(k, dtype=jnp.int32)))(c_exp, front)
+        n_e = e_cand.shape[1]
+        e_tok = jnp.take_along_axis(c_tok, e_cand, axis=1)  # [B, E] draft ids
+        e_depth = jnp.take_along_axis(c_depth, e_cand, axis=1)  # [B, E] 0-based depth of the node
+        emb = jnp.take(embed, jnp.take(d2t, e_tok), axis=0).astype(g_last.dtype)  # [B, E, D]
+        positions = cache.lengths[:, None] + e_depth  # [B, E]: draft i + 1 runs at m + i - 1
+        e_out, _ = net.step(emb, e_in, cache, positions=positions, mask=ancestor_mask(e_par))  # [B, E, D]
+        lp = jax.nn.log_softmax(net.logits(e_out[:, n_e - k :]), axis=-1)  # [B, k, N]
+        s, t = jax.lax.top_k(lp, k)  # [B, k, k]
+        front_score = jnp.take_along_axis(c_score, front, axis=1)  # [B, k]
+        level_start = c_tok.shape[1]
+        c_tok = jnp.concatenate([c_tok, t.reshape(b, k * k)], axis=1)
+        c_score = jnp.concatenate([c_score, (front_score[..., None] + s).reshape(b, k * k)], axis=1)
+        c_par = jnp.concatenate([c_par, jnp.repeat(front, k, axis=1)], axis=1)
+        c_depth = jnp.concatenate([c_depth, jnp.full((b, k * k), d - 1, jnp.int32)], axis=1)
+    n = min(num_nodes, c_tok.shape[1])
+    _, keep = jax.lax.top_k(c_score - 1e-6 * jnp.arange(c_tok.shape[1]), n)  # ties: earlier first
+    keep = jnp.sort(keep, axis=1)  # candidate order: parents first
+    where = jax.vmap(lambda kp: jnp.full((c_tok.shape[1],), -1, jnp.int32).at[kp].set(jnp.arange(n)))(keep)
+    par = jnp.take_along_axis(c_par, keep, axis=1)
+    parents = jnp.where(par >= 0, jnp.take_along_axis(where, jnp.maximum(par, 0), axis=1), -1)
+    tokens = jnp.take(d2t, jnp.take_along_axis(c_tok, keep, axis=1))
+    return (tokens.astype(jnp.int32), parents.astype(jnp.int32), jnp.take_along_axis(c_depth, keep, axis=1),
+            jnp.take_along_axis(c_score, keep, axis=1))
+
+
+def greedy_accepted(tokens, parents, depths, target_next):
+    """Accepted drafts of a tree under greedy verification: the deepest node whose path equals
+    the target's next tokens `target_next [B, >= D]`. tokens/parents/depths `[B, N]` -> `[B]`."""
+    b, n = tokens.shape
+    ok = jnp.zeros((b, n), bool)
+    for i in range(n):  # parents precede children
+        par_ok = jnp.where(parents[:, i] >= 0, jnp.take_along_axis(ok, jnp.maximum(parents[:, i], 0)[:, None], 1)[:, 0],
+                           True)
+        hit = tokens[:, i] == jnp.take_along_axis(target_next, depths[:, i][:, None], axis=1)[:, 0]
+        ok = ok.at[:, i].set(par_ok & hit)
+    return jnp.max(jnp.where(ok, depths + 1, 0), axis=1)
