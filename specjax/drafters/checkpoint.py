@@ -42,8 +42,9 @@ def save(out_dir: str, config: dict, params, extra: dict | None = None, dtype=No
     return out_dir
 
 
-def read_config(path: str, kind: str, label: str) -> dict:
-    """The raw config dict of a `kind` drafter directory (one-line errors otherwise)."""
+def read_config(path: str, kind: str | None, label: str) -> dict:
+    """The raw config dict of a `kind` drafter directory (one-line errors otherwise); `kind=None`
+    accepts any config object (a published drafter's)."""
     cfg_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isdir(path) or not os.path.isfile(cfg_path):
         raise DrafterError(f"{label} drafter not found: {path} (expected a directory with {CONFIG_FILE})")
@@ -54,7 +55,7 @@ def read_config(path: str, kind: str, label: str) -> dict:
         raise DrafterError(f"{cfg_path}: not a readable JSON config ({e})") from None
     if not isinstance(raw, dict):
         raise DrafterError(f"{cfg_path}: a drafter config is a JSON object")
-    if raw.get("drafter", kind) != kind:
+    if kind is not None and raw.get("drafter", kind) != kind:
         raise DrafterError(f"{path} holds a {raw.get('drafter')!r} drafter, not {kind!r}")
     return raw
 

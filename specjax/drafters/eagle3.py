@@ -20,8 +20,8 @@ the cache length is set to the new m, so the rest is overwritten later, the same
 target's). Training (train/eagle3.py) unrolls exactly these steps ("training-time test"), so the
 drafter learns to read its own features.
 
-Tree drafting would replace the K - 1 chain steps by a batched step over a token tree; the cache
-and commit discipline stay the same.
+Tree drafting (eagle3_tree.py) replaces the K - 1 chain steps by batched steps over a token
+tree (`step` takes positions and a tree mask); the cache and commit discipline stay the same.
 """
 
 from __future__ import annotations

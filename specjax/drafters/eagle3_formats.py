@@ -82,17 +82,7 @@ def load(path: str, dtype, target_num_layers: int | None = None) -> Eagle3Weight
 
 
 def _read_json(path: str) -> dict:
-    cfg_path = os.path.join(path, checkpoint.CONFIG_FILE)
-    if not os.path.isfile(cfg_path):
-        raise DrafterError(f"EAGLE-3 drafter not found: {path} (expected a directory with config.json)")
-    try:
-        with open(cfg_path) as fh:
-            raw = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise DrafterError(f"{cfg_path}: not a readable JSON config ({e})") from None
-    if not isinstance(raw, dict):
-        raise DrafterError(f"{cfg_path}: a drafter config is a JSON object")
-    return raw
+    return checkpoint.read_config(path, None, "EAGLE-3")
 
 
 def _config(raw: dict, fmt: str, source: str, target_num_layers: int | None) -> Eagle3Config:
