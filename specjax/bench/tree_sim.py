@@ -50,8 +50,7 @@ def replay(model, weights, seq: list[int], prompt_len: int, configs: dict, chunk
     for lo in range(0, len(positions), chunk):
         ps = jnp.asarray(positions[lo : lo + chunk])
         b = len(ps)
-        rows = jax.tree.map(lambda a: jnp.repeat(a, b, axis=0), cache.replace(lengths=cache.lengths))
-        rows = rows.with_lengths(ps)
+        rows = jax.tree.map(lambda a: jnp.repeat(a, b, axis=0), cache).with_lengths(ps)
         g_last = g[0, ps - 1]  # [b, D]
         target_next = jnp.asarray(np.stack([truth[p + 1 : p + 1 + 16] for p in positions[lo : lo + chunk]]))
         for name, (k, depth, n) in configs.items():

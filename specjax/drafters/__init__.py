@@ -115,10 +115,10 @@ def _draft(spec, arg, num_draft, target, dtype, load) -> Drafter:
 def _mtp(spec, arg, num_draft, target, dtype, load) -> Drafter:
     from specjax.drafters import checkpoint, mtp, mtp_formats
 
-    inside = arg or mtp_formats.checkpoint_dir(target)  # MTP layers in a target checkpoint, as vLLM reads them
-    if mtp_formats.has_mtp(inside, target.config.num_layers):
-        weights, vocab = mtp_formats.load(inside, target, target.dtype), None
-    else:
+    # MTP layers in a target checkpoint, as vLLM reads them
+    weights = mtp_formats.load_from_checkpoint(arg or mtp_formats.checkpoint_dir(target), target, target.dtype)
+    vocab = None
+    if weights is None:
         path = arg or _shipped_or_error("mtp")
         weights = mtp.load(path, dtype=target.dtype)
         vocab = checkpoint.load_draft_vocab(path, target.config.vocab_size)

@@ -280,8 +280,8 @@ class Eagle3Drafter(Drafter):
         own = weights.embed
         if own is not None and own.shape == target.params["embed"].shape and bool(
                 jnp.array_equal(own, target.params["embed"][...].astype(own.dtype))):
-            own = None  # a copy of the target's table (as published drafters carry it): share it
-        self.embed = own
+            weights = dataclasses.replace(weights, embed=None)  # a copy of the target's table: share it
+        self.embed = weights.embed
         self.weights = weights
         self.target = target
         self.hidden_layers = weights.config.target_layers

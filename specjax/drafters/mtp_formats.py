@@ -1,4 +1,4 @@
-"""MTP layers that ship inside target checkpoints, read into `mtp.MTPWeights`.
+"""MTP layers that ship inside target checkpoints, read into `mtp.MTPWeights` (`load_from_checkpoint`).
 
 Three layouts, each an `MTPModule` per layer (norms of the token embedding and of the previous
 hidden, a [2D] -> [D] projection, one decoder layer, an output norm; the target's embedding and
@@ -66,37 +66,28 @@ def checkpoint_dir(target) -> str | None:
         return None
 
 
-def has_mtp(path: str | None, num_layers: int) -> bool:
-    """Whether the HF checkpoint at `path` carries MTP layers."""
+def load_from_checkpoint(path: str | None, target, dtype=jnp.float32) -> MTPWeights | None:
+    """The MTP layers of the target checkpoint at `path` (whose trunk `target` is), or None when
+    `path` is not a readable HF checkpoint carrying some (e.g. a specjax MTP drafter directory).
+    The checkpoint's tensor index is opened once, for both questions."""
+    from specjax.models.loading.hf import open_checkpoint
+
     if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        return False
-    from specjax.models.loading.hf import open_checkpoint
-
-    try:
-        _, names = open_checkpoint(path)
-        with open(os.path.join(path, "config.json")) as fh:
-            raw = json.load(fh)
-    except (ModelLoadError, OSError, ValueError):
-        return False
-    return "drafter" not in raw and _layout(names, raw, num_layers) is not None
-
-
-def load(path: str, target, dtype=jnp.float32) -> MTPWeights:
-    """The MTP layers of the target checkpoint at `path` (whose trunk `target` is)."""
-    from specjax.models.loading.hf import open_checkpoint
-
-    source = f"MTP layers of {path}"
+        return None
     try:
         get, names = open_checkpoint(path)
         with open(os.path.join(path, "config.json")) as fh:
             raw = json.load(fh)
-    except (ModelLoadError, OSError, ValueError) as e:
-        raise DrafterError(f"{source}: {str(e).splitlines()[0]}") from None
+    except (ModelLoadError, OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or "drafter" in raw:
+        return None
     raw = raw.get("text_config", raw)
     tc: LlamaConfig = target.config
     found = _layout(names, raw, tc.num_layers)
     if found is None:
-        raise DrafterError(f"{path} has no MTP layers (DeepSeek-V3, Qwen3-Next or MiMo layout)")
+        return None
+    source = f"MTP layers of {path}"
     layout, n = found
     prefixes = {"deepseek": [f"model.layers.{tc.num_layers + i}." for i in range(n)],
                 "qwen3_next": [f"mtp.layers.{i}." for i in range(n)],
@@ -121,6 +112,11 @@ def load(path: str, target, dtype=jnp.float32) -> MTPWeights:
                         "norm": "shared_head.norm.weight"},
            "mimo": {"enorm": "token_layernorm.weight", "hnorm": "hidden_layernorm.weight",
                     "proj": "input_proj.weight", "norm": "final_layernorm.weight"}}.get(layout)
+    tables = {}
+    if layout == "deepseek":
+        full = {"shared_head.head.weight": target.module().head_weight(),
+                "embed_tokens.weight": target.params["embed"][...]}
+        tables = {k: np.asarray(t, np.float32) for k, t in full.items() if any(p + k in names for p in prefixes)}
     modules = {}
     try:
         for i, p in enumerate(prefixes):
@@ -130,13 +126,10 @@ def load(path: str, target, dtype=jnp.float32) -> MTPWeights:
                           "hnorm": {"scale": fetch(names_i["hnorm"], (d,))},
                           "proj": fetch(names_i["proj"], (d, 2 * d)),
                           "norm": {"scale": fetch(names_i["norm"], (d,))}, "block": lay}
-            if layout == "deepseek":  # copies of the target's tables, if stored: must be them
-                for name, table in (("shared_head.head.weight", target.module().head_weight()),
-                                    ("embed_tokens.weight", target.params["embed"][...])):
-                    if p + name in names and not np.allclose(fetch(p + name, (v, d)), np.asarray(table, np.float32),
-                                                             atol=1e-6):
-                        raise DrafterError(f"{source}: {p}{name} is not the target's; specjax's MTP reads "
-                                           "the target's embedding and LM head")
+            for name, table in tables.items():  # copies of the target's tables, if stored: must be them
+                if p + name in names and not np.allclose(fetch(p + name, (v, d)), table, atol=1e-6):
+                    raise DrafterError(f"{source}: {p}{name} is not the target's; specjax's MTP reads "
+                                       "the target's embedding and LM head")
     except ModelLoadError as e:
         raise DrafterError(f"{source}: {e}") from None
     arrays = {f"heads/{k}": a for k, a in _flatten(modules)}
