@@ -76,10 +76,12 @@ def cmd_generate(a) -> int:
     sampling = sampling_from_args(a)
     if a.num_draft < 0:
         raise InvalidSamplingError(f"--num-draft must be >= 0, got {a.num_draft}")
+    if a.tree_topk < 1 or a.tree_depth < 0:
+        raise InvalidSamplingError(f"--tree-topk must be >= 1 and --tree-depth >= 0, got {a.tree_topk}, {a.tree_depth}")
     model = specjax.load_model(a.model, dtype=a.dtype)
     results = specjax.generate(
         a.prompts, model=model, sampling=sampling, drafter=a.drafter, num_draft=a.num_draft, raw=a.raw,
-        spec_policy=a.spec_policy,
+        spec_policy=a.spec_policy, tree_topk=a.tree_topk, tree_depth=a.tree_depth,
     )
     for i, r in enumerate(results):
         if a.json:
@@ -89,6 +91,8 @@ def cmd_generate(a) -> int:
             s = r.stats
             acc = "" if s.acceptance_rate is None else f", acceptance {s.acceptance_rate:.2f}"
             share = f", verified {s.verified_steps}/{s.steps} steps ({s.spec_policy})" if s.num_draft else ""
+            if s.tree != "chain":
+                share += f", {s.off_chain_steps} beat the top-1 chain"
             print(f"[{len(r.token_ids)} tokens, {s.tokens_per_second:.1f} tok/s, drafter {s.drafter} "
                   f"K={s.num_draft}, MAL {s.mean_accepted_length:.2f}{acc}{share}]", file=sys.stderr)
     if a.compare_plain:
@@ -155,7 +159,7 @@ def cmd_bench(a) -> int:
     # Everything the user can get wrong is checked before the target loads and anything runs.
     from specjax import datasets
     from specjax.bench import peers
-    from specjax.bench.speculative import bench_suites, check_drafter_names
+    from specjax.bench.speculative import bench_suites, check_drafter_names, parse_tree
 
     drafters = [d.strip() for d in a.drafters.split(",") if d.strip()]
     check_drafter_names(drafters)
@@ -167,6 +171,9 @@ def cmd_bench(a) -> int:
     if a.peer_threads is not None and a.peer_threads < 1:
         raise SpecjaxError(f"--peer-threads must be >= 1, got {a.peer_threads}")
     num_drafts = ints(a.num_draft, "--num-draft")
+    trees = list(dict.fromkeys(t.strip().lower() for t in a.trees.split(",") if t.strip())) or ["chain"]
+    for t in trees:
+        parse_tree(t)
     batch_sizes = ints(a.batch_sizes, "--batch-sizes")
     if min(num_drafts) < 1 or min(batch_sizes) < 1:
         raise SpecjaxError("--num-draft and --batch-sizes take integers >= 1")
@@ -193,7 +200,7 @@ def cmd_bench(a) -> int:
     model = specjax.load_model(a.model, dtype=a.dtype)
     bench_suites(model, prompts, drafters, num_drafts, batch_sizes, temps, a.max_new_tokens, a.repeats,
                  peers=peer_names, json_out=a.json_out, plots_dir=a.plots_dir, peer_threads=a.peer_threads,
-                 spec_policies=policies)
+                 spec_policies=policies, trees=trees)
     return 0
 
 
@@ -350,6 +357,11 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--spec-policy", choices=("auto", "always"), default="auto", help="auto (default): each "
                    "prompt verifies drafts only while its measured acceptance pays for a verify step on this "
                    "machine, else takes plain steps and probes again later; always: verify every proposal")
+    g.add_argument("--tree-topk", type=int, default=1, help="k > 1: draft a token tree of --num-draft nodes "
+                   "(EAGLE-2 dynamic tree: the k best children of the best nodes per level; eagle3), verified in "
+                   "one pass; 1 (default): a chain")
+    g.add_argument("--tree-depth", type=int, default=0, help="levels of the tree, the most drafts one step "
+                   "accepts (default: min(--num-draft, 5))")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     g.add_argument("--compare-plain", action="store_true", help="also decode the prompts without the drafter "
                    "and print the speedup measured in this run")
@@ -372,6 +384,9 @@ def build_parser() -> ArgumentParser:
     b.add_argument("--spec-policy", default="always", help="comma-separated subset of always, auto: each drafter "
                    "configuration is measured under each; always (default): verify every proposal; auto: the "
                    "per-row fallback of `specjax generate` (rows take plain steps while verifying does not pay)")
+    b.add_argument("--trees", default="chain", help="comma-separated proposal shapes: chain, or KxD, a dynamic "
+                   "token tree of --num-draft nodes, K children per expanded node over D levels (e.g. chain,4x5; "
+                   "trees are skipped for drafters that draft chains only)")
     b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes")
     b.add_argument("--temperature", default="0", help="comma-separated temperatures")
     b.add_argument("--max-new-tokens", type=int, default=128)

@@ -39,6 +39,7 @@ from flax import nnx, struct
 from specjax.drafters.base import CommitContext, Drafter, InitContext, NoDrafter, StepContext
 from specjax.models.kv_cache import KVCache, write_rows
 from specjax.models.loading import Model
+from specjax.models.tree import ancestor_mask, first_children
 from specjax.policy.rows import FORCE, RowPolicy, new_policy
 from specjax.policy.rows import plan as policy_plan
 from specjax.policy.rows import update as policy_update
@@ -52,7 +53,7 @@ from specjax.sampling import (
     derive,
     sample,
 )
-from specjax.verify import accept
+from specjax.verify import accept, accept_tree
 
 
 def bucket_pow2(n: int, lo: int = 16) -> int:
@@ -92,6 +93,7 @@ class LoopState:
     steps: jax.Array  # [B] int32, steps in which the row was running
     checked: jax.Array  # [B, W] int32, times draft position i was checked (W >= K)
     accepted: jax.Array  # [B, W] int32, times draft position i was accepted
+    off_chain: jax.Array  # [B] int32, tree steps whose accepted path left the drafter's top-1 chain
     # The row's own settings, fixed for its life; in the state so a slot can change rows.
     prompt_len: jax.Array  # [B] int32
     max_new: jax.Array  # [B] int32
@@ -106,8 +108,9 @@ class RowOutput:
     token_ids: list[int]
     finish_reason: str  # "stop" | "length"
     steps: int
-    checked: list[int]  # per draft position
+    checked: list[int]  # per draft position (a tree: per depth)
     accepted: list[int]
+    off_chain: int  # tree steps that accepted more than the top-1 chain would have
     prefill_seconds: float
     decode_seconds: float
 
@@ -197,6 +200,7 @@ def init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_
         steps=jnp.zeros((b,), jnp.int32),
         checked=jnp.zeros((b, stat_width), jnp.int32),
         accepted=jnp.zeros((b, stat_width), jnp.int32),
+        off_chain=jnp.zeros((b,), jnp.int32),
         prompt_len=prompt_len,
         max_new=max_new,
         stop_ids=stop_ids,
@@ -215,7 +219,7 @@ def defers_commits(drafter: Drafter, policy) -> bool:
 def new_pending(drafter: Drafter, b: int, pre_hidden, pre_final) -> Pending:
     """No deferred steps; buffers shaped after the prefill's hidden `[n, B, T, D]` and final
     `[B, T, D]` states (None when the drafter reads none)."""
-    w = drafter.num_draft + 1
+    w = drafter.accept_width + 1
     hidden = None if pre_hidden is None else jnp.zeros(pre_hidden.shape[:2] + (w, pre_hidden.shape[3]),
                                                        pre_hidden.dtype)  # [n, B, K+1, D]
     final = None if pre_final is None else jnp.zeros((b, w, pre_final.shape[2]), pre_final.dtype)  # [B, K+1, D]
@@ -242,7 +246,7 @@ def defer(pend: Pending, n_emit, hidden, final) -> Pending:
 def catch_up(drafter: Drafter, dparams, dstate, pend: Pending, history, hist_len):
     """Commit the deferred tokens in one context, as if one verify step had emitted each row's last
     `count` tokens (n_accepted = count - 1; -1: none). Returns (drafter state, empty Pending)."""
-    w = drafter.num_draft + 1
+    w = drafter.accept_width + 1
     idx = hist_len[:, None] - pend.count[:, None] + jnp.arange(w)[None]  # [B, K+1]
     tokens = jnp.take_along_axis(history, jnp.clip(idx, 0, history.shape[1] - 1), axis=1)  # [B, K+1]
     ctx = CommitContext(pend.count - 1, tokens, history, hist_len, pend.count > 0, pend.hidden, pend.final)
@@ -266,7 +270,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     active: the slot engine times verify steps with the compiled code it serves with.
     """
     b, s = st.history.shape
-    k = drafter.num_draft
+    k = drafter.accept_width  # the most drafts a step accepts (a tree's depth)
     w = st.checked.shape[1]
     samp, prompt_len, max_new, stop_ids = st.sampling, st.prompt_len, st.max_new, st.stop_ids
     collect = drafter.hidden_layers
@@ -311,6 +315,26 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
         final = h if drafter.needs_final_hidden else None
         return (jnp.zeros((b,), jnp.int32), *to_full_width(tok[:, None], new_kv, hidden, final))
 
+    def verify_tree(parents, accept_parents, tokens_in, draft, q, cache, seeds):
+        """Target pass over [last, nodes] [B, N+1], node i at position lengths + 1 + depth(i)
+        attending to its ancestors, then `accept_tree` (a row with `accept_parents` -2 accepts
+        nothing). Returns verify()'s outputs for the accepted path, root first, K + 1 wide."""
+        par = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents + 1], axis=1)  # [B, N+1]: last is the root
+        mask = ancestor_mask(par)  # [B, N+1, N+1]
+        positions = cache.lengths[:, None] + jnp.sum(mask, axis=-1) - 1  # [B, N+1]
+        h, new_kv, hidden = model.hidden_kv(tokens_in, cache, collect=collect, positions=positions, mask=mask)
+        logits = model.logits(h)  # [B, N+1, V]
+
+        def accept_with(greedy):
+            return accept_tree(logits, draft, accept_parents, samp, seeds, greedy, k)
+
+        n, path, emitted = (accept_with(all_greedy) if all_greedy else jax.lax.cond(
+            jnp.any(samp.temperature > 0), lambda: accept_with(False), lambda: accept_with(True)))
+        rows = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.maximum(path, -1) + 1], axis=1)  # [B, K+1]
+        hidden = None if hidden is None else jnp.take_along_axis(hidden, rows[None, :, :, None], axis=2)
+        final = jnp.take_along_axis(h, rows[:, :, None], axis=1) if drafter.needs_final_hidden else None
+        return n, emitted, new_kv.take(rows), hidden, final
+
     # Each row's randomness for this step, keyed by its seed and its own step count.
     step_seed = derive(st.seed, st.steps)  # [B]; derive(s, a, b) == derive(derive(s, a), b)
     draft_seeds, verify_seeds = derive(step_seed, STREAM_DRAFT), derive(step_seed, STREAM_VERIFY)
@@ -319,6 +343,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     pol = st.policy if k > 0 else None
     pending, lazy = st.pending, defers_commits(drafter, pol)
     plain_pass = None  # [] bool when this step may have run the plain one-token pass
+    chain = None  # [B, K] the top-1 chain's tokens of a tree proposal (-1 past its end)
     on = live if pol is None else policy_plan(pol, live, st.steps)  # [B] rows the policy lets verify
     if pol is not None:
         force_verify = force_verify | (pol.mode == FORCE)
@@ -344,10 +369,22 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
                                                 lambda: (idle, st.draft_state))
         else:
             proposal, dstate = drafter.propose(dparams, st.draft_state, ctx)
-        draft, q = proposal.draft, proposal.q  # [B, K], [B, K, V] | None
+        draft, q = proposal.draft, proposal.q  # [B, K], [B, K, V] | None (a tree: K nodes)
         tokens_in = jnp.concatenate([last, draft], axis=1)  # [B, K+1]
         lengths = drafter.verify_lengths  # static, ascending, last = K
-        if len(lengths) == 1 and proposal.active is None and pol is None:
+        if proposal.parents is not None:
+            # A token tree: rows the policy or the drafter's gate leave out accept nothing (no
+            # node is a child of their prefix); a plain step when no live row is in.
+            active = on if proposal.active is None else proposal.active & on
+            own = jnp.where((active | force_verify) & live, k, 0)  # [B]
+            plain_pass = jnp.max(own) == 0
+            accept_parents = jnp.where(own[:, None] > 0, proposal.parents, -2)  # [B, N]
+            tree = partial(verify_tree, proposal.parents, accept_parents)
+            first = first_children(proposal.parents, k)  # [B, K]
+            chain = jnp.where(first >= 0, jnp.take_along_axis(draft, jnp.maximum(first, 0), axis=1), -1)
+            n, emitted, new_kv, hidden, final = jax.lax.switch(
+                (~plain_pass).astype(jnp.int32), [plain_step, tree], tokens_in, draft, q, st.cache, verify_seeds)
+        elif len(lengths) == 1 and proposal.active is None and pol is None:
             own = jnp.full((b,), k, jnp.int32)  # drafts each row checks this step
             n, emitted, new_kv, hidden, final = verify(tokens_in, draft, q, st.cache, verify_seeds)
         else:
@@ -427,6 +464,8 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
         steps=st.steps + live,
         checked=st.checked + checked,
         accepted=st.accepted + (checked & (pos < n[:, None])),
+        off_chain=st.off_chain if chain is None else st.off_chain + jnp.any(
+            (checked & (pos < n[:, None]))[:, :k] & (emitted[:, :k] != chain), axis=1),
     )
 
 
@@ -437,7 +476,7 @@ def _decode(graphdef, params, dparams, cache, last_logits, prompt, prompt_len, p
     the final LoopState."""
     model = nnx.merge(graphdef, params)
     state = init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final, samp, max_new,
-                       stop_ids, seed, drafter=drafter, all_greedy=all_greedy, stat_width=drafter.num_draft,
+                       stop_ids, seed, drafter=drafter, all_greedy=all_greedy, stat_width=drafter.accept_width,
                        policy=policy)
     step = partial(decode_step, model, dparams, drafter=drafter, all_greedy=all_greedy,
                    implementation=implementation)
@@ -512,7 +551,7 @@ class Engine:
 
         policy = None
         if spec_mode is not None and drafter.num_draft > 0:
-            table = np.ones(drafter.num_draft + 1, np.float32) if costs is None else costs
+            table = np.ones(drafter.accept_width + 1, np.float32) if costs is None else costs
             policy = new_policy(b, table, spec_mode)
             if self.mesh is not None:
                 policy = jax.device_put(policy, RowPolicy(repl, repl, rows, rows, rows, rows))
@@ -533,6 +572,7 @@ class Engine:
         t2 = time.perf_counter()
         hist_len, stopped = np.asarray(st.hist_len), np.asarray(st.stopped)
         steps, checked, accepted = np.asarray(st.steps), np.asarray(st.checked), np.asarray(st.accepted)
+        off_chain = np.asarray(st.off_chain)
         return [
             RowOutput(
                 token_ids=history[i, lens[i] : hist_len[i]].tolist(),
@@ -540,6 +580,7 @@ class Engine:
                 steps=int(steps[i]),  # loop steps; the prefill's first token is not one
                 checked=checked[i].tolist(),
                 accepted=accepted[i].tolist(),
+                off_chain=int(off_chain[i]),
                 prefill_seconds=t1 - t0,
                 decode_seconds=t2 - t1,
             )

@@ -37,6 +37,8 @@ class GenerationStats:
     decode_seconds: float = 0.0
     verified_steps: int = 0  # steps in which the row verified drafts (the others were plain steps)
     spec_policy: str = "always"  # "auto": rows fall back to plain steps where verifying does not pay
+    tree: str = "chain"  # the proposal's shape: "chain" or "k x depth" (e.g. "4x5": a dynamic tree)
+    off_chain_steps: int = 0  # tree steps that accepted more than the drafter's top-1 chain would have
 
 
 @dataclasses.dataclass
@@ -63,6 +65,9 @@ def get_model(model: Model | str | None, dtype: str | None = None) -> Model:
     if key not in _MODELS:
         _MODELS[key] = load_model(model, dtype=dtype)
     return _MODELS[key]
+
+
+DEFAULT_TREE_DEPTH = 5  # levels of a tree when only its node count and k are given
 
 
 def get_engine(model: Model, mesh=None) -> Engine:
@@ -158,6 +163,8 @@ def generate(
     mesh=None,
     spec_policy: str = "auto",
     spec_costs: Sequence[float] | None = None,
+    tree_topk: int = 1,
+    tree_depth: int = 0,
 ) -> list[GenerationResult]:
     """Generate a continuation for each prompt, batched.
 
@@ -172,6 +179,9 @@ def generate(
     (verify whatever the drafter proposes). Both keep the target's output law. `spec_costs`:
     the [K + 1] cost table `auto` decides with (a verify of L drafts in plain steps); None
     measures it on these prompts, once per model, drafter and batch bucket (specjax/policy/costs.py).
+    `tree_topk` > 1 drafts token trees of `num_draft` nodes, `tree_topk` children per expanded
+    node over `tree_depth` levels (default min(K, 5); EAGLE-2 dynamic trees, for drafters that
+    draft trees), K in the cost table then being the depth.
     """
     if spec_policy not in ("auto", "always"):
         raise InvalidSamplingError(f"spec_policy must be 'auto' or 'always', got {spec_policy!r}")
@@ -192,13 +202,14 @@ def generate(
     for x, p in zip(ids, params):
         check_fits(m, len(x), p.max_new_tokens)
     d = get_drafter(drafter, num_draft, m)
+    d = d.with_tree(tree_topk, tree_depth or min(d.num_draft, DEFAULT_TREE_DEPTH))
     engine = get_engine(m, mesh)
     if spec_policy == "auto" and d.num_draft > 0:
         costs = spec_costs
         if costs is None:
             costs = measure_costs(engine, ids, params, m.config.eos_token_ids, d, drafter_label(drafter, d))
-        elif len(costs) != d.num_draft + 1:
-            raise InvalidSamplingError(f"spec_costs needs K + 1 = {d.num_draft + 1} entries, got {len(costs)}")
+        elif len(costs) != d.accept_width + 1:
+            raise InvalidSamplingError(f"spec_costs needs K + 1 = {d.accept_width + 1} entries, got {len(costs)}")
         costs = np.asarray(costs, np.float32)
         rows = engine.generate(ids, params, eos_ids=m.config.eos_token_ids, drafter=d, spec_mode=AUTO, costs=costs)
     else:
@@ -208,7 +219,8 @@ def generate(
         seconds = row.prefill_seconds + row.decode_seconds
         text = m.tokenizer.decode(row.token_ids, skip_special_tokens=True) if m.tokenizer else ""
         # the prefill emits the first token; MAL counts the tokens of draft-verify steps
-        acc = AcceptanceStats.from_counts(row.steps, len(row.token_ids) - 1, row.checked, row.accepted)
+        acc = AcceptanceStats.from_counts(row.steps, len(row.token_ids) - 1, row.checked, row.accepted,
+                                          row.off_chain)
         stats = GenerationStats(
             steps=row.steps,
             mean_accepted_length=acc.mal,
@@ -221,6 +233,8 @@ def generate(
             decode_seconds=row.decode_seconds,
             verified_steps=acc.verified,
             spec_policy=spec_policy if d.num_draft else "always",
+            tree=f"{d.tree_topk}x{d.tree_depth}" if d.tree_topk > 1 else "chain",
+            off_chain_steps=acc.off_chain,
         )
         results.append(GenerationResult(text, row.token_ids, x, row.finish_reason, stats))
     return results

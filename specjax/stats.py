@@ -32,19 +32,21 @@ class AcceptanceStats:
     verified: int = 0  # steps whose drafts the target checked
     checked: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))  # [W] per draft position
     accepted: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))  # [W]
+    off_chain: int = 0  # tree steps whose accepted path left the drafter's top-1 chain
 
     @classmethod
-    def from_counts(cls, steps: int, tokens: int, checked, accepted) -> "AcceptanceStats":
+    def from_counts(cls, steps: int, tokens: int, checked, accepted, off_chain: int = 0) -> "AcceptanceStats":
         """From step, token and per-position counts: every verify step checks draft 0, so
         `checked[0]` counts the steps that verified."""
         checked = np.asarray(checked, np.int64)
         return cls(int(steps), int(tokens), int(checked[0]) if len(checked) else 0, checked,
-                   np.asarray(accepted, np.int64))
+                   np.asarray(accepted, np.int64), int(off_chain))
 
     def add(self, o: "AcceptanceStats") -> None:
         self.steps += o.steps
         self.tokens += o.tokens
         self.verified += o.verified
+        self.off_chain += o.off_chain
         w = max(len(self.checked), len(o.checked))
         self.checked = zero_extend(self.checked, w) + zero_extend(o.checked, w)
         self.accepted = zero_extend(self.accepted, w) + zero_extend(o.accepted, w)
@@ -64,6 +66,12 @@ class AcceptanceStats:
         """P(draft i accepted | drafts < i accepted), one entry per position; None where no draft
         was ever checked (a rate of 0 would read as "always rejected")."""
         return [float(a) / float(c) if c else None for a, c in zip(self.accepted, self.checked)]
+
+    @property
+    def off_chain_share(self) -> float | None:
+        """Share of verify steps where a token tree accepted more than its top-1 chain would have
+        (None without verify steps)."""
+        return self.off_chain / self.verified if self.verified else None
 
     @property
     def verified_share(self) -> float | None:

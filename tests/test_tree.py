@@ -1,5 +1,6 @@
 """Token trees in the target: ancestor masks and depths, a tree pass equal to causal passes over
-each node's path, and `KVCache.compact` leaving the cache a fresh prefill of the accepted text."""
+each node's path, and the accepted path's keys and values (`KVUpdate.take`, as the engine writes
+them) leaving the cache a fresh prefill of the accepted text."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -43,14 +44,14 @@ def test_chain_mask_is_the_default_bit_for_bit():
     assert all(np.array_equal(np.asarray(p), np.asarray(q)) for p, q in zip(ca.k, cb.k))
 
 
-def test_tree_pass_equals_each_paths_causal_pass_and_compacts():
+def test_tree_pass_equals_each_paths_causal_pass_and_its_path_is_a_prefill():
     model = random_model(tiny(num_layers=2), seed=3)
     prefix = [5, 9, 2, 7, 30]
     tokens = [11, 3, 8, 1, 4, 21, 17]
     m, cache = _prefilled(model, prefix)
     par = jnp.asarray([PARENTS])
-    h, tree_cache, _ = m.hidden(jnp.asarray([tokens], jnp.int32), cache,
-                                positions=cache.lengths[:, None] + depths(par), mask=ancestor_mask(par))
+    h, new_kv, _ = m.hidden_kv(jnp.asarray([tokens], jnp.int32), cache,
+                               positions=cache.lengths[:, None] + depths(par), mask=ancestor_mask(par))
     logits = m.logits(h)[0]  # [T, V]
     for i in range(len(tokens)):
         path, j = [], i
@@ -60,9 +61,9 @@ def test_tree_pass_equals_each_paths_causal_pass_and_compacts():
         full = jnp.asarray([prefix + [tokens[n] for n in path]], jnp.int32)
         hf, _, _ = m.hidden(full, m.new_cache(1, 64))
         np.testing.assert_allclose(logits[i], m.logits(hf)[0, -1], atol=1e-5, err_msg=f"node {i}")
-    # accept 0 -> 1 -> 3 -> 5: the compacted cache is a fresh prefill of prefix + those tokens
+    # accept 0 -> 1 -> 3 -> 5: the cache with that path written is a fresh prefill of prefix + it
     path = [0, 1, 3, 5]
-    kept = tree_cache.compact(jnp.asarray([path])).advance(len(path))
+    kept = cache.write(new_kv.take(jnp.asarray([path]))).advance(len(path))
     text = prefix + [tokens[n] for n in path]
     _, fresh, _ = m.hidden(jnp.asarray([text], jnp.int32), m.new_cache(1, 64))
     n = len(text)
@@ -72,5 +73,3 @@ def test_tree_pass_equals_each_paths_causal_pass_and_compacts():
     a, _, _ = m.hidden(nxt, kept)
     b, _, _ = m.hidden(nxt, fresh.advance(n))
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-    same = tree_cache.compact(jnp.arange(4)[None])  # a chain's path: nothing moves
-    assert all(np.array_equal(np.asarray(p), np.asarray(q)) for p, q in zip(same.k, tree_cache.k))

@@ -78,11 +78,13 @@ def short_label(spec: str) -> str:
 
 
 def config_name(row: dict) -> str:
-    """`plain`, `LABEL K=k`, or `LABEL K=k auto` for the per-row fallback ("always" rows, and
-    rows without `spec_policy`, carry no suffix)."""
+    """`plain`, `LABEL K=k`, `LABEL K=k tree KxD` for trees, with ` auto` for the per-row fallback
+    ("always" rows, and rows without `spec_policy`, carry no suffix)."""
     if row["drafter"] == PLAIN:
         return "plain"
-    return f"{row['label']} K={row['num_draft']}" + (" auto" if row.get("spec_policy") == "auto" else "")
+    tree = row.get("tree", "chain")
+    return (f"{row['label']} K={row['num_draft']}" + ("" if tree == "chain" else f" tree {tree}")
+            + (" auto" if row.get("spec_policy") == "auto" else ""))
 
 
 def _group_key(row: dict) -> tuple:

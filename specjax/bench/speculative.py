@@ -43,7 +43,9 @@ from specjax.policy.costs import measure_costs
 from specjax.policy.rows import AUTO
 from specjax.sampling import SamplingArrays, SamplingParams
 from specjax.stats import AcceptanceStats
-from specjax.verify import accept
+from specjax.verify import accept, accept_tree
+
+CHAIN = "chain"
 
 
 @dataclasses.dataclass
@@ -55,10 +57,23 @@ class Config:
     num_draft: int
     drafter: object  # specjax.drafters.Drafter
     spec_policy: str = "always"
+    tree: str = CHAIN  # "chain" | "KxD" (`parse_tree`)
 
     @property
-    def key(self) -> tuple[str, int, str]:
-        return (self.spec, self.num_draft, self.spec_policy)
+    def key(self) -> tuple[str, int, str, str]:
+        return (self.spec, self.num_draft, self.tree, self.spec_policy)
+
+
+def parse_tree(text: str) -> tuple[int, int]:
+    """"chain" -> (1, 0); "KxD" (a dynamic tree: K children per expanded node, D levels) -> (K, D)."""
+    text = text.strip().lower()
+    if text == CHAIN:
+        return 1, 0
+    k, sep, d = text.partition("x")
+    if not (sep and k.isdigit() and d.isdigit() and int(k) >= 2 and int(d) >= 1):
+        raise DrafterError(f"a tree shape is 'chain' or KxD with K >= 2 children and D >= 1 levels (e.g. 4x5), "
+                           f"got {text!r}")
+    return int(k), int(d)
 
 
 def check_drafter_names(specs: list[str]) -> None:
@@ -73,13 +88,14 @@ def check_drafter_names(specs: list[str]) -> None:
 
 
 def resolve_configs(specs: list[str], num_drafts: list[int], model,
-                    spec_policies: tuple[str, ...] = ("always",)) -> list[Config]:
-    """Plain decoding first, then every drafter x K x policy of `spec_policies` ("always",
-    "auto"), each drafter built through `make_drafter` (via the API's drafter cache, so a draft
-    model loads once for all K). Raises DrafterError for unknown names or missing checkpoints,
-    before anything runs. A drafter that fixes its own K is listed once, under the K it reports;
-    K values a drafter cannot draft (more than an MTP drafter's module count) are skipped for it,
-    and only a drafter with no usable K is an error."""
+                    spec_policies: tuple[str, ...] = ("always",), trees: tuple[str, ...] = (CHAIN,)) -> list[Config]:
+    """Plain decoding first, then every drafter x K x tree shape of `trees` x policy of
+    `spec_policies` ("always", "auto"), each drafter built through `make_drafter` (via the API's
+    drafter cache, so a draft model loads once for all K). Raises DrafterError for unknown names
+    or missing checkpoints, before anything runs. A drafter that fixes its own K is listed once,
+    under the K it reports; K values or tree shapes a drafter cannot draft (more than an MTP
+    drafter's module count, trees of a chain drafter, more nodes than a tree holds) are skipped
+    for it, and only a drafter with no usable configuration is an error."""
     if any(k < 1 for k in num_drafts):
         raise DrafterError(f"--num-draft values must be >= 1, got {num_drafts}")
     configs = [Config("none", 0, get_drafter("none", 0, model), "none")]
@@ -95,12 +111,18 @@ def resolve_configs(specs: list[str], num_drafts: list[int], model,
             except DrafterError as e:  # e.g. K above a trained head count: skip that K
                 errors.append(e)
                 continue
-            built += 1
-            for policy in spec_policies:
-                c = Config(spec, d.num_draft, d, policy)
-                if c.key not in seen:
-                    seen.add(c.key)
-                    configs.append(c)
+            for tree in trees:
+                try:
+                    dt = d.with_tree(*parse_tree(tree))
+                except DrafterError as e:
+                    errors.append(e)
+                    continue
+                built += 1
+                for policy in spec_policies:
+                    c = Config(spec, d.num_draft, dt, policy, tree.strip().lower())
+                    if c.key not in seen:
+                        seen.add(c.key)
+                        configs.append(c)
         if not built:
             raise errors[0]
     return configs
@@ -119,8 +141,9 @@ class RunFigures:
     seconds: float  # prefill + decode, compile excluded
     steps: int
     rows: int
-    checked: np.ndarray  # [K]
+    checked: np.ndarray  # [K] (a tree: per depth)
     accepted: np.ndarray  # [K]
+    off_chain: int = 0  # tree steps that accepted more than the top-1 chain would have
 
 
 def row_params(sampling: SamplingParams, first_row: int, n: int) -> list[SamplingParams]:
@@ -134,9 +157,9 @@ def run_config(engine: Engine, batches, sampling: SamplingParams, drafter, on_ba
     """One pass over `batches`; `on_batch(rows)` (progress) is called after each batch. `costs`
     (a `measure_costs` table) runs the per-row fallback (spec_mode AUTO); None verifies whatever
     the drafter proposes."""
-    tokens = steps = rows = 0
+    tokens = steps = rows = off_chain = 0
     seconds = 0.0
-    k = drafter.num_draft
+    k = drafter.accept_width
     checked, accepted = np.zeros(k), np.zeros(k)
     row = 0
     policy = {} if costs is None else {"spec_mode": AUTO, "costs": costs}
@@ -151,9 +174,10 @@ def run_config(engine: Engine, batches, sampling: SamplingParams, drafter, on_ba
             rows += 1
             checked += r.checked
             accepted += r.accepted
+            off_chain += r.off_chain
         if on_batch is not None:
             on_batch(len(batch))
-    return RunFigures(tokens, seconds, steps, rows, checked, accepted)
+    return RunFigures(tokens, seconds, steps, rows, checked, accepted, off_chain)
 
 
 # Component functions are jitted once per model / drafter and reused across configurations,
@@ -195,14 +219,16 @@ def _propose_fn(drafter, greedy: bool):
 
 
 @functools.cache
-def _accept_fn(greedy: bool, implementation: str):
+def _accept_fn(greedy: bool, implementation: str, tree_depth: int):
+    if tree_depth:
+        return jax.jit(lambda lg, d, par, samp, seeds: accept_tree(lg, d, par, samp, seeds, greedy, tree_depth))
     return jax.jit(lambda lg, d, q, samp, seeds: accept(lg, d, q, samp, seeds, greedy, implementation))
 
 
 def component_times(engine: Engine, drafter, prompt_ids: list[int], sampling: SamplingParams, batch: int = 1,
                     repeats: int = 5) -> dict[str, float]:
-    """Median seconds of one draft, one verify forward (T = K + 1) and one accept step, for
-    `batch` copies of one prompt."""
+    """Median seconds of one draft, one verify forward (T = K + 1; a tree's pass is timed without
+    its mask, the same work) and one accept step, for `batch` copies of one prompt."""
     model, k = engine.model, drafter.num_draft
     t, s = engine.shapes([len(prompt_ids)], 64, k)
     prompt = jnp.asarray([prompt_ids + [0] * (t - len(prompt_ids))] * batch, jnp.int32)  # [B, T]
@@ -227,9 +253,11 @@ def component_times(engine: Engine, drafter, prompt_ids: list[int], sampling: Sa
     vf = _verify_fn(model.graphdef, tuple(drafter.hidden_layers))
     vlogits = vf(model.params, tokens_in, cache)
     out["verify"] = timed(lambda: jax.block_until_ready(vf(model.params, tokens_in, cache)), repeats)
-    af = _accept_fn(greedy, engine.implementation)
-    jax.block_until_ready(af(vlogits, draft, q, samp, seeds))
-    out["accept"] = timed(lambda: jax.block_until_ready(af(vlogits, draft, q, samp, seeds)), repeats)
+    tree = drafter.tree_topk > 1
+    af = _accept_fn(greedy, engine.implementation, drafter.tree_depth if tree else 0)
+    q_or_parents = proposal.parents if tree else q
+    jax.block_until_ready(af(vlogits, draft, q_or_parents, samp, seeds))
+    out["accept"] = timed(lambda: jax.block_until_ready(af(vlogits, draft, q_or_parents, samp, seeds)), repeats)
     return out
 
 
@@ -244,12 +272,13 @@ def _row(suite, temp, b, c: Config, runs: list[RunFigures], warm: float, compile
     rows = sum(r.rows for r in runs)
     # the prefill emits each row's first token; MAL counts the tokens of draft-verify steps
     stats = AcceptanceStats.from_counts(steps, tokens - rows, sum(r.checked for r in runs),
-                                        sum(r.accepted for r in runs))  # [K] each (K = 0: empty)
+                                        sum(r.accepted for r in runs),
+                                        sum(r.off_chain for r in runs))  # [K] each (K = 0: empty)
     total = sum(comp.values())
     return {
         "suite": suite, "temperature": temp, "batch_size": b,
         "drafter": c.spec, "label": "plain" if c.spec == "none" else rep.short_label(c.spec), "num_draft": c.num_draft,
-        "spec_policy": c.spec_policy,
+        "spec_policy": c.spec_policy, "tree": c.tree,
         "prompts": runs[0].rows,
         "tokens": statistics.median(r.tokens for r in runs),
         "tokens_per_second": statistics.median(r.tokens / r.seconds for r in runs),
@@ -258,6 +287,7 @@ def _row(suite, temp, b, c: Config, runs: list[RunFigures], warm: float, compile
         "acceptance_rate": stats.acceptance_rate,
         "per_position_acceptance": stats.per_position(),
         "verified_share": stats.verified_share,
+        "off_chain_share": stats.off_chain_share,
         "warmup_seconds": warm,
         "compile_seconds": compile_s,
         "peak_memory_mb": peak[0],
@@ -281,7 +311,7 @@ def prompt_runs(suite_ids: dict[str, list], n_configs: int, batch_sizes, n_tempe
 
 def _config_label(c: Config) -> str:
     return rep.config_name({"drafter": c.spec, "label": rep.short_label(c.spec), "num_draft": c.num_draft,
-                            "spec_policy": c.spec_policy})
+                            "spec_policy": c.spec_policy, "tree": c.tree})
 
 
 def run_speculative_bench(model, suite_ids: dict[str, list[list[int]]], configs: list[Config],
@@ -333,10 +363,10 @@ def run_speculative_bench(model, suite_ids: dict[str, list[list[int]]], configs:
                         mb, src = mem.read()
                         peaks[c.key] = (max(peaks[c.key][0], mb), src)
                 group, comps = [], {}
-                for c in configs:  # components do not depend on the policy: timed once per (drafter, K)
-                    if c.key[:2] not in comps:
-                        comps[c.key[:2]] = component_times(engine, c.drafter, ids[0], sampling, batch=b)
-                    comp = comps[c.key[:2]]
+                for c in configs:  # components do not depend on the policy: timed once per (drafter, K, tree)
+                    if c.key[:3] not in comps:
+                        comps[c.key[:3]] = component_times(engine, c.drafter, ids[0], sampling, batch=b)
+                    comp = comps[c.key[:3]]
                     group.append(_row(suite, temp, b, c, runs[c.key], warm[c.key], comp_s[c.key], peaks[c.key],
                                       comp_mb[c.key], comp))
                 rep.add_speedups(group)
@@ -356,12 +386,13 @@ def bench_suites(model, suites: dict[str, list], drafters: list[str], num_drafts
                  temperatures: list[float], max_new_tokens: int, repeats: int, peers: list[str] = (),
                  json_out: str | None = None, plots_dir: str | None = None, console=None, out=None,
                  peer_factory: str | None = None, peer_threads: int | None = None,
-                 spec_policies: tuple[str, ...] = ("always",)) -> dict:
+                 spec_policies: tuple[str, ...] = ("always",), trees: tuple[str, ...] = (CHAIN,)) -> dict:
     """The whole `specjax bench SUITE...` run: measure, compare, recommend, print, write.
     Progress goes to stderr (`progress.py`), the report to stdout. Each peer runs in its own
     process (`peer_process.py`; `peer_factory` "module:function" replaces how peers are made,
     for tests; `peer_threads`: each peer's CPU threads, default all cores). `spec_policies`:
-    every drafter configuration is measured under each ("always", "auto"; see the module doc)."""
+    every drafter configuration is measured under each ("always", "auto"; see the module doc).
+    `trees`: proposal shapes, "chain" and/or "KxD" dynamic trees of `num_drafts` nodes."""
     from rich.console import Console
 
     from specjax.bench import peer_process
@@ -369,7 +400,7 @@ def bench_suites(model, suites: dict[str, list], drafters: list[str], num_drafts
     from specjax.bench.progress import BenchProgress
 
     console = console or Console(stderr=True, log_path=False)
-    configs = resolve_configs(drafters, num_drafts, model, tuple(spec_policies))  # raises before anything runs
+    configs = resolve_configs(drafters, num_drafts, model, tuple(spec_policies), tuple(trees))  # raises first
     suite_ids = encode_suites(model, suites)
     peer_names, skipped = peers_mod.plan_peers(list(peers), model)
     for name, why in skipped.items():
@@ -395,7 +426,7 @@ def bench_suites(model, suites: dict[str, list], drafters: list[str], num_drafts
         "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
         "max_new_tokens": max_new_tokens, "repeats": repeats, "temperatures": temperatures,
         "batch_sizes": batch_sizes, "num_drafts": num_drafts, "drafters": list(drafters),
-        "spec_policies": list(spec_policies),
+        "spec_policies": list(spec_policies), "trees": list(trees),
         "suites": {name: len(ids) for name, ids in suite_ids.items()},
         "compile_seconds": sum(r["compile_seconds"] for r in rows),
         "results": rows,

@@ -44,6 +44,7 @@ class Proposal:
     q: Any = None  # [B, K, V] draft probabilities, or None for deterministic drafts
     active: Any = None  # [B] bool, or None: every row's drafts are worth verifying
     length: Any = None  # [B] int32: how many leading drafts the row wants verified, or None: all K
+    parents: Any = None  # [B, K] int32 token-tree parents (specjax/models/tree.py), or None: a chain
 
 
 @struct.dataclass
@@ -106,9 +107,43 @@ class Drafter:
     # Whether the state's layout or currency depends on K (MTP keeps one cache per draft depth), so
     # that one state cannot serve several K (serving/slots.py).
     k_dependent_state: bool = False
+    # Token trees (`with_tree`): `tree_topk` > 1 makes each proposal a tree of `num_draft` nodes
+    # over at most `tree_depth` levels (`Proposal.parents`); one step then accepts at most
+    # `tree_depth` drafts. 1: chains.
+    tree_topk: int = 1
+    tree_depth: int = 0
 
     def __init__(self, num_draft: int):
         self.num_draft = int(num_draft)
+
+    def max_tree_nodes(self, topk: int, depth: int) -> int:
+        """How many nodes a tree of `topk` children per node over `depth` levels can hold, for
+        drafters that draft trees; 0 for those that do not."""
+        return 0
+
+    def with_tree(self, topk: int, depth: int) -> "Drafter":
+        """This drafter drafting trees of `num_draft` nodes, `topk` children per expanded node,
+        `depth` levels (topk 1: the chain of `num_draft`); one-line DrafterErrors for shapes it
+        cannot draft."""
+        from specjax.errors import DrafterError
+
+        if topk <= 1:
+            return self
+        room = self.max_tree_nodes(topk, depth)
+        if not room:
+            raise DrafterError(f"drafter {self.name} drafts chains only (--tree-topk 1)")
+        if depth < 1 or not depth <= self.num_draft <= room:
+            raise DrafterError(f"a tree of --tree-topk {topk} --tree-depth {depth} needs depth >= 1 and "
+                               f"depth <= --num-draft <= {room} nodes, got --num-draft {self.num_draft}")
+        d = copy.copy(self)
+        d.tree_topk, d.tree_depth = int(topk), int(depth)
+        return d
+
+    @property
+    def accept_width(self) -> int:
+        """The most drafts one step can accept: K for a chain, the depth of a tree. The emitted
+        width of a step (and of commits, statistics and cost tables) is this + 1."""
+        return self.tree_depth if self.tree_topk > 1 else self.num_draft
 
     def with_num_draft(self, k: int) -> "Drafter":
         """This drafter drafting `k` tokens per step: a new object (the same weights), never a
@@ -118,12 +153,17 @@ class Drafter:
         return d
 
     def label(self, spec: str | None) -> str:
-        """How reports name it: the spec as given (a path tells two draft models apart)."""
-        return (spec or self.name).strip()
+        """How reports name it: the spec as given (a path tells two draft models apart), with the
+        tree shape when it drafts trees (`eagle3/tree4x5`)."""
+        return self.tree_label((spec or self.name).strip())
+
+    def tree_label(self, label: str) -> str:
+        return f"{label}/tree{self.tree_topk}x{self.tree_depth}" if self.tree_topk > 1 else label
 
     def cache_key(self) -> tuple:
         """Everything static that changes the compiled code."""
-        return (type(self).__name__, self.num_draft, self.verify_lengths, self.proposal_optional, self.lazy_commit)
+        return (type(self).__name__, self.num_draft, self.verify_lengths, self.proposal_optional, self.lazy_commit,
+                self.tree_topk, self.tree_depth)
 
     @property
     def verify_lengths(self) -> tuple[int, ...]:

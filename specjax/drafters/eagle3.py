@@ -37,10 +37,12 @@ from flax import nnx, struct
 from pallas_kernels.platform import target_platform
 from specjax.drafters import checkpoint
 from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext, draft_token
+from specjax.drafters.eagle3_tree import dynamic_tree, tree_candidates
 from specjax.errors import DrafterError
 from specjax.models.config import LlamaConfig
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import MLP, Attention, RMSNorm, linear, rope_tables
+from specjax.models.tree import chain_parents
 
 KIND = "eagle3"
 
@@ -291,9 +293,12 @@ class Eagle3Drafter(Drafter):
         return super().cache_key() + (id(self.weights), self.hidden_layers, self.min_confidence)
 
     def label(self, spec: str | None) -> str:
-        """The spec with the effective gate (`eagle3@0.5`)."""
-        label = super().label(spec)
-        return label if "@" in label else f"{label}@{self.min_confidence:g}"
+        """The spec with the effective gate and the tree shape (`eagle3@0.5/tree4x5`)."""
+        label = (spec or self.name).strip()
+        return self.tree_label(label if "@" in label else f"{label}@{self.min_confidence:g}")
+
+    def max_tree_nodes(self, topk: int, depth: int) -> int:
+        return tree_candidates(topk, depth)
 
     def params(self):
         embed = self.target.params["embed"][...] if self.embed is None else self.embed  # [V, D]
@@ -318,6 +323,8 @@ class Eagle3Drafter(Drafter):
         return Eagle3State(cache.with_lengths(ctx.prompt_len), g_last)
 
     def propose(self, dparams, st: Eagle3State, ctx: StepContext):
+        if self.tree_topk > 1:
+            return self._propose_tree(dparams, st, ctx), st
         net = nnx.merge(self.weights.graphdef, dparams["net"])
         logits = net.logits(st.g_last)  # [B, N]
         d1, q1 = self._draft_token(dparams, logits, 0, ctx)
@@ -358,6 +365,31 @@ class Eagle3Drafter(Drafter):
             draft, q, cache = rest(st.cache)
         # Scratch entries written past m are overwritten by commit; lengths go back to m.
         return Proposal(draft, q, active), st.replace(cache=cache.with_lengths(st.cache.lengths))
+
+    def _propose_tree(self, dparams, st: Eagle3State, ctx: StepContext) -> Proposal:
+        """An EAGLE-2 dynamic tree of K nodes (eagle3_tree.py), its candidates deterministic (the
+        drafter's top-k: q = None, lossless under the one-hot scheme). Gated on the drafter's
+        probability mass over the root's k children (the chance one of them is accepted)."""
+        net = nnx.merge(self.weights.graphdef, dparams["net"])
+        k, b = self.tree_topk, st.g_last.shape[0]
+        active = None
+        if self.min_confidence > 0:
+            probs = jax.nn.softmax(net.logits(st.g_last).astype(jnp.float32), axis=-1)  # [B, N]
+            active = jnp.sum(jax.lax.top_k(probs, k)[0], axis=-1) >= self.min_confidence  # [B]
+
+        def build():
+            tokens, parents, _, _ = dynamic_tree(net, dparams["embed"], dparams["d2t"], st.cache, st.g_last, k,
+                                                 self.tree_depth, self.num_draft)
+            return tokens, parents  # [B, K] each
+
+        def idle():  # no verify pass will run: any well-formed tree (a chain of zeros)
+            return jnp.zeros((b, self.num_draft), jnp.int32), chain_parents(b, self.num_draft)
+
+        if active is not None and ctx.live is not None:
+            tokens, parents = jax.lax.cond(jnp.any(active & ctx.live) | ctx.force_verify, build, idle)
+        else:
+            tokens, parents = build()
+        return Proposal(tokens, None, active, parents=parents)
 
     def commit(self, dparams, st: Eagle3State, ctx: CommitContext):
         net = nnx.merge(self.weights.graphdef, dparams["net"])

@@ -22,6 +22,11 @@ import jax.numpy as jnp
 from specjax.models.tree import ancestor_mask
 
 
+def tree_candidates(topk: int, depth: int) -> int:
+    """C = k + (D - 1) k^2: the candidates a tree of `depth` levels, `topk` children per node, ranks."""
+    return topk + (depth - 1) * topk * topk
+
+
 def dynamic_tree(net, embed, d2t, cache, g_last, topk: int, depth: int, num_nodes: int):
     """net: an `Eagle3` module; embed `[V, D]` the token table; d2t `[N]` draft -> target ids;
     cache: the drafter cache with lengths m `[B]`; g_last `[B, D]`.

@@ -54,21 +54,6 @@ class KVCache:
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
-    def compact(self, path: jax.Array) -> "KVCache":
-        """Move the entries at `lengths + path[b, i]` to `lengths + i` in every layer (`path [B, P]`:
-        the accepted nodes of a token tree written at `lengths`, root first), so the accepted path
-        sits where a chain would have put it; lengths unchanged (advance them by what is kept).
-        A chain's path (0, 1, ..) is a no-op."""
-        src = jnp.minimum(self.lengths[:, None] + path.astype(jnp.int32), self.size - 1)  # [B, P]
-
-        def move(buf):  # [B*KV, S, H]
-            b = src.shape[0]
-            rows = buf.reshape(b, -1, *buf.shape[1:])  # [B, KV, S, H]
-            picked = jnp.take_along_axis(rows, src[:, None, :, None], axis=2)  # [B, KV, P, H]
-            return write_rows(rows, picked, self.lengths, axis=2).reshape(buf.shape)
-
-        return self.replace(k=tuple(move(k) for k in self.k), v=tuple(move(v) for v in self.v))
-
     def write(self, new: "KVUpdate") -> "KVCache":
         """The cache with `new`'s T positions written at each row's `lengths` (not advanced)."""
         kv = [
@@ -90,6 +75,14 @@ class KVUpdate:
             return jnp.pad(x, ((0, 0), (0, t - x.shape[1]), (0, 0), (0, 0)))
 
         return KVUpdate(tuple(pad(k) for k in self.k), tuple(pad(v) for v in self.v))
+
+    def take(self, idx: jax.Array) -> "KVUpdate":
+        """Positions `idx [B, P]` of each row, in that order (a token tree's accepted path, root
+        first: it is then written where a chain would have put it)."""
+        def pick(x):  # [B, T, KV, H] -> [B, P, KV, H]
+            return jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
+
+        return KVUpdate(tuple(pick(k) for k in self.k), tuple(pick(v) for v in self.v))
 
 
 def write_rows(buf: jax.Array, new: jax.Array, starts: jax.Array, axis: int = 1) -> jax.Array:

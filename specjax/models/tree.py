@@ -3,7 +3,8 @@ for a child of the last committed token). A chain is `parents = i - 1`.
 
 One target pass verifies every node of a tree: node i sits at position `lengths + depth[i]` and
 attends to the committed prefix and to its own ancestors (`ancestor_mask`); `Llama.hidden` takes
-both. The accepted root-to-leaf path is then moved into place by `KVCache.compact(path)`.
+both. The pass's keys and values of the accepted root-to-leaf path are then written where a chain
+would have put them (`KVUpdate.take(path)`, then `KVCache.write`).
 """
 
 from __future__ import annotations
@@ -33,3 +34,17 @@ def depths(parents: jax.Array) -> jax.Array:
 def chain_parents(batch: int, t: int) -> jax.Array:
     """`[B, T]` parents of a chain (i - 1)."""
     return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None] - 1, (batch, t))
+
+
+def first_children(parents: jax.Array, depth: int) -> jax.Array:
+    """parents `[B, T]` -> `[B, depth]` int32: the path that always takes a node's first child
+    (lowest index; a dynamic tree's most probable one), root first, -1 where it ends. A tree
+    whose accepted path leaves it beat the chain its drafter would have drafted."""
+    cur = jnp.full(parents.shape[:1], -1, jnp.int32)  # [B]
+    out = []
+    for _ in range(depth):
+        is_child = parents == cur[:, None]  # [B, T]
+        nxt = jnp.where(jnp.any(is_child, axis=1), jnp.argmax(is_child, axis=1), -1).astype(jnp.int32)  # [B]
+        out.append(nxt)
+        cur = jnp.where(nxt >= 0, nxt, -2)  # -2: ended (no node's parent)
+    return jnp.stack(out, axis=1)

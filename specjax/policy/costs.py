@@ -43,11 +43,11 @@ def cost_key(model, drafter, label: str, batch: int) -> str:
 
 
 def measure_costs(engine, prompt_ids, params, eos_ids, drafter, label: str) -> np.ndarray:
-    """[K + 1] cost table for this batch: the decode loop over the batch's own prompts and shapes
-    (`PROBE_TOKENS` tokens a row) timed with every live row verifying all K drafts (`FORCE`) and
-    plain, after one untimed run of each (the first loop runs after compiling are slow). The
-    verify-to-plain ratio is cached in memory and in `$SPECJAX_CACHE/step-costs.json`."""
-    k = drafter.num_draft
+    """[K + 1] cost table for this batch (K: the drafter's `accept_width`): the decode loop over
+    the batch's own prompts and shapes (`PROBE_TOKENS` tokens a row) timed with every live row
+    verifying all K drafts (`FORCE`) and plain, after one untimed run of each (the first loop runs
+    after compiling are slow). The verify-to-plain ratio is cached in memory and in `$SPECJAX_CACHE/step-costs.json`."""
+    k = drafter.accept_width
     key = cost_key(engine.model, drafter, label, len(prompt_ids))
     if key not in _COSTS:
         try:
