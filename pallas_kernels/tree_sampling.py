@@ -21,14 +21,28 @@ exactly. A chain (parents = i - 1) reduces to `rejection_sampling.py`'s rule; gr
 
 Randomness: the counter-based hash of rejection_sampling.py, acceptance uniforms at (seed, test
 number, ACCEPT_STREAM), the final exponential race at (seed, T + 1, vocab index).
+
+Deterministic candidates need no vocabulary pass until the end: after rejecting tokens x_1..x_j
+at a node with target law p, the residual is p with them removed, divided by m = 1 - sum p(x_i),
+so the next child x is accepted iff u * m < p(x), and the final token is the exponential race
+over p without the rejected tokens (unnormalised: the race does not need it). `tree_sample_*`
+walk these scalars in jnp and run the one race per row over the vocabulary, in jnp (reference) or
+as a Pallas kernel (`tree_race_pallas`); both compute the same floats in the same order, so they
+agree bit for bit (interpret mode on CPU). Drafts drawn from a q go through the general walk
+(`tree_walk`), reference only.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
-from pallas_kernels.rejection_sampling import ACCEPT_STREAM, hash_uniform
+from pallas_kernels.platform import target_platform
+from pallas_kernels.rejection_sampling import _CUSTOM_CALLS, ACCEPT_STREAM, gpu_kernel_backends, hash_uniform
 
 
 def _normalize(r):
@@ -96,12 +110,203 @@ def tree_sample_reference(p, q, tokens, parents, seeds):
       q: [B, T+1, V] drafter probabilities the children of each row were drawn from, or None for
         deterministic candidates.
       tokens: [B, T] int32 node tokens.
-      parents: [B, T] int32 parent node indices (< own index; -1: child of the committed prefix).
+      parents: [B, T] int32 parent node indices (< own index; -1: child of the committed prefix;
+        a row with no child of the prefix, e.g. all -2, accepts nothing).
       seeds: [B] uint32, one per row and step.
 
     Returns:
-      n_accepted [B] int32, path [B, T] int32 (accepted node indices root first, then -1; what
-      `KVCache.compact` takes) and tokens [B, T+1] int32 (the path's tokens, the final token at
-      index n, then -1).
+      n_accepted [B] int32, path [B, T] int32 (accepted node indices root first, then -1) and
+      tokens [B, T+1] int32 (the path's tokens, the final token at index n, then -1).
     """
-    return tree_walk(p, q, tokens, parents, seeds)
+    if q is not None:
+        return tree_walk(p, q, tokens, parents, seeds)
+    n, path, row, excluded = one_hot_walk(p, tokens, parents, seeds)
+    p_row = _final_row(p, row)  # [B, V]
+    return _finish(n, path, tokens, _race_reference(p_row, excluded, seeds, tokens.shape[1]))
+
+
+def one_hot_walk(p, tokens, parents, seeds):
+    """The walk over deterministic candidates (module doc), without the final draw.
+
+    Returns n [B], path [B, T], the p row the final token is drawn from [B] and the tokens it
+    excludes (rejected at that node) [B, T], -1 padded."""
+    t = tokens.shape[1]
+    v = p.shape[-1]
+    rows = jnp.clip(parents + 1, 0, t)  # [B, T] the p row each node is tested under
+    flat = p.reshape(p.shape[0], -1).astype(jnp.float32)  # [B, (T+1) V]
+    p_tok = jnp.take_along_axis(flat, rows * v + jnp.clip(tokens, 0, v - 1), axis=1)  # [B, T]
+    return jax.vmap(_one_hot_row)(p_tok, tokens, parents, seeds)
+
+
+def _one_hot_row(p_tok, tokens, parents, seed):
+    t = tokens.shape[0]
+    nodes = jnp.arange(t)
+
+    def test(carry, i):
+        cur, mass, ptr, done, n, path, rejected = carry  # rejected [T]: nodes rejected at cur
+        cand_ok = (parents == cur) & (nodes > ptr)
+        cand = jnp.where(jnp.any(cand_ok), jnp.argmax(cand_ok), -1)
+        live = (~done) & (cand >= 0)
+        c = jnp.maximum(cand, 0)
+        again = jnp.any(rejected & (tokens == tokens[c]))  # a token already rejected here has no mass left
+        p_c = jnp.where(again, 0.0, p_tok[c])
+        u = hash_uniform(seed, i.astype(jnp.uint32), jnp.uint32(ACCEPT_STREAM))
+        accept = live & (u * mass < p_c)
+        reject = live & ~accept
+        mass = jnp.where(accept, 1.0, jnp.where(reject, mass - p_c, mass))
+        rejected = jnp.where(accept, False, rejected | (reject & (nodes == cand)))
+        path = jnp.where(accept, path.at[n].set(cand), path)
+        n = n + accept.astype(jnp.int32)
+        ptr = jnp.where(live, cand, ptr)
+        cur = jnp.where(accept, cand, cur)
+        return (cur, mass, ptr, done | (cand < 0), n, path, rejected), None
+
+    init = (jnp.int32(-1), jnp.float32(1.0), jnp.int32(-1), jnp.bool_(False), jnp.int32(0),
+            jnp.full((t,), -1, jnp.int32), jnp.zeros((t,), bool))
+    (cur, _, _, _, n, path, rejected), _ = jax.lax.scan(test, init, jnp.arange(t + 1))
+    return n, path, cur + 1, jnp.where(rejected, tokens, -1)
+
+
+def _final_row(p, row):
+    """p [B, T+1, V], row [B] -> [B, V] f32."""
+    return jnp.take_along_axis(p, row[:, None, None], axis=1)[:, 0].astype(jnp.float32)
+
+
+def _race_reference(p_row, excluded, seeds, t):
+    """The final token: argmax_v p(v) / E_v over tokens not `excluded` (E_v = -log u at (seed,
+    T + 1, v)); the row's argmax when no token is left (a target law of zeros there)."""
+    v = p_row.shape[-1]
+    keep = jax.vmap(lambda ex: jnp.ones((v,), bool).at[jnp.where(ex >= 0, ex, v)].set(False, mode="drop"))(excluded)
+    vocab = jnp.arange(v, dtype=jnp.uint32)[None]
+    e = -jnp.log(hash_uniform(seeds[:, None].astype(jnp.uint32), jnp.uint32(t + 1), vocab))  # [B, V]
+    score = jnp.where(keep & (p_row > 0), p_row / e, -1.0)
+    return jnp.where(jnp.max(score, axis=1) > 0, jnp.argmax(score, axis=1), jnp.argmax(p_row, axis=1))
+
+
+def _finish(n, path, tokens, final):
+    t = tokens.shape[1]
+    idx = jnp.arange(t + 1)[None]
+    path_tok = jnp.pad(jnp.take_along_axis(tokens, jnp.maximum(path, 0), axis=1), ((0, 0), (0, 1)),
+                       constant_values=-1)  # [B, T+1]
+    emitted = jnp.where(idx < n[:, None], path_tok, jnp.where(idx == n[:, None], final[:, None], -1))
+    return n, path, emitted.astype(jnp.int32)
+
+
+# ---- the final race as a Pallas kernel ---------------------------------------------------------
+
+RACE_ROWS = 8  # rows per block (TPU sublanes; a power of two for Triton)
+RACE_TILE = 2048  # vocabulary lanes per block
+
+
+def _race_kernel(seed_ref, excl_ref, p_ref, score_ref, arg_ref, *, tile: int, vocab: int, pos: int):
+    """One (row block, vocab tile): the tile's best p / E over the tokens kept, first index on ties."""
+    j = pl.program_id(1)
+    p = p_ref[...].astype(jnp.float32)  # [R, TV]
+    lanes = j * tile + jax.lax.broadcasted_iota(jnp.int32, p.shape, 1)  # [R, TV]
+    keep = lanes < vocab
+    for e in range(excl_ref.shape[1]):  # the excluded tokens, one column [R, 1] at a time
+        keep = keep & (lanes != excl_ref[:, pl.ds(e, 1)])
+    u = hash_uniform(seed_ref[...], jnp.uint32(pos), lanes.astype(jnp.uint32))  # [R, TV]
+    score = jnp.where(keep & (p > 0), p / -jnp.log(u), -1.0)
+    best = jnp.max(score, axis=1, keepdims=True)  # [R, 1]
+    arg = jnp.min(jnp.where(score == best, lanes, jnp.int32(2**30)), axis=1, keepdims=True)
+    score_ref[...] = best[None]
+    arg_ref[...] = arg[None]
+
+
+def _race_compiler_params(backend, interpret):
+    if interpret is True or backend is None:
+        return None
+    if backend == "triton":
+        from jax.experimental.pallas import triton as pl_triton
+
+        return pl_triton.CompilerParams(num_warps=4, num_stages=1)
+    if backend == "mosaic_gpu":
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        return plgpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
+
+
+@functools.partial(jax.jit, static_argnames=("t", "interpret", "backend"))
+def tree_race_pallas(p_row, excluded, seeds, t: int, interpret=False, backend: str | None = None):
+    """`_race_reference` as a Pallas kernel: p_row [B, V], excluded [B, E] int32 (-1 padded),
+    seeds [B] uint32 -> final tokens [B] int32. Grid (row blocks, vocab tiles), both parallel:
+    every program writes its tile's best score and index ([tiles, B, 1]: the last two block dims
+    (R, 1) suit TPU's (8, 128) rule, all dims powers of two for Triton); a small jnp pass takes
+    the first best tile, so the result equals the reference's argmax."""
+    b, v = p_row.shape
+    r, tv = RACE_ROWS, min(RACE_TILE, -(-v // 128) * 128)
+    bp, vp = -(-b // r) * r, -(-v // tv) * tv
+    e = 1 << max(excluded.shape[1] - 1, 0).bit_length()  # a power of two
+    p_pad = jnp.pad(p_row, ((0, bp - b), (0, vp - v)))
+    excl = jnp.pad(excluded.astype(jnp.int32), ((0, bp - b), (0, e - excluded.shape[1])), constant_values=-1)
+    seed = jnp.pad(seeds.astype(jnp.uint32), (0, bp - b)).reshape(bp, 1)
+    grid = (bp // r, vp // tv)
+    score, arg = pl.pallas_call(
+        functools.partial(_race_kernel, tile=tv, vocab=v, pos=t + 1),
+        grid=grid,
+        in_specs=[pl.BlockSpec((r, 1), lambda i, j: (i, 0)), pl.BlockSpec((r, e), lambda i, j: (i, 0)),
+                  pl.BlockSpec((r, tv), lambda i, j: (i, j))],
+        out_specs=[pl.BlockSpec((1, r, 1), lambda i, j: (j, i, 0))] * 2,
+        out_shape=[jax.ShapeDtypeStruct((grid[1], bp, 1), jnp.float32),
+                   jax.ShapeDtypeStruct((grid[1], bp, 1), jnp.int32)],
+        interpret=interpret,
+        compiler_params=_race_compiler_params(backend, interpret),
+        name="tree_race",
+    )(seed, excl, p_pad)
+    score, arg = score[:, :b, 0], arg[:, :b, 0]  # [tiles, B]
+    first = jnp.argmax(score, axis=0)  # the first tile holding the best score
+    best = jnp.take_along_axis(score, first[None], axis=0)[0]
+    won = jnp.take_along_axis(arg, first[None], axis=0)[0]
+    return jnp.where(best > 0, won, jnp.argmax(p_row, axis=1)).astype(jnp.int32)
+
+
+def tree_sample_pallas(p, tokens, parents, seeds, interpret=False, backend: str | None = None):
+    """`tree_sample_reference` for deterministic candidates (q = None), the final race as a Pallas
+    kernel. Same arguments (no q) and results."""
+    n, path, row, excluded = one_hot_walk(p, tokens, parents, seeds)
+    final = tree_race_pallas(_final_row(p, row), excluded, seeds, tokens.shape[1], interpret, backend)
+    return _finish(n, path, tokens, final)
+
+
+@functools.lru_cache(maxsize=None)
+def tree_kernel_lowers(backend: str, platform: str, b: int, t: int, v: int) -> bool:
+    """Whether the race kernel lowers for `platform` with `backend` (`jax.export`; no device)."""
+    from jax import export
+
+    args = [jax.ShapeDtypeStruct((b, v), jnp.float32), jax.ShapeDtypeStruct((b, t), jnp.int32),
+            jax.ShapeDtypeStruct((b,), jnp.uint32)]
+    fn = jax.jit(lambda p, ex, s: tree_race_pallas(p, ex, s, t, backend=backend))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            export.export(fn, platforms=[platform],
+                          disabled_checks=[export.DisabledSafetyCheck.custom_call(_CUSTOM_CALLS[backend])])(*args)
+    except Exception:  # any lowering failure means: use another backend
+        return False
+    return True
+
+
+def tree_sample(p, tokens, parents, seeds, implementation: str = "auto"):
+    """Dispatch for deterministic candidates, as `rejection_sample` does: "reference", "pallas"
+    (interpret mode on CPU) or "auto" (the reference on CPU; on GPU/TPU the kernel with the first
+    backend that lowers, else the reference)."""
+    platform = target_platform()
+    if implementation == "reference" or (implementation == "auto" and platform == "cpu"):
+        return tree_sample_reference(p, None, tokens, parents, seeds)
+    if implementation == "pallas" and platform == "cpu":
+        return tree_sample_pallas(p, tokens, parents, seeds, interpret=True)
+    if implementation not in ("auto", "pallas"):
+        raise ValueError(f"unknown implementation {implementation!r} (auto, pallas, reference)")
+    cands = gpu_kernel_backends() if platform in ("gpu", "cuda") else ("mosaic_tpu",)
+    plat = "cuda" if platform == "gpu" else platform
+    b, t = tokens.shape
+    backend = next((be for be in cands if tree_kernel_lowers(be, plat, b, t, p.shape[-1])), None)
+    if backend is None:
+        if implementation == "pallas":
+            raise ValueError(f"no Pallas backend lowers the tree kernel on {platform}; use the reference")
+        return tree_sample_reference(p, None, tokens, parents, seeds)
+    return tree_sample_pallas(p, tokens, parents, seeds, backend=backend)

@@ -326,7 +326,7 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
         logits = model.logits(h)  # [B, N+1, V]
 
         def accept_with(greedy):
-            return accept_tree(logits, draft, accept_parents, samp, seeds, greedy, k)
+            return accept_tree(logits, draft, accept_parents, samp, seeds, greedy, k, implementation)
 
         n, path, emitted = (accept_with(all_greedy) if all_greedy else jax.lax.cond(
             jnp.any(samp.temperature > 0), lambda: accept_with(False), lambda: accept_with(True)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.rejection_sampling import rejection_sample
-from pallas_kernels.tree_sampling import tree_sample_reference
+from pallas_kernels.tree_sampling import tree_sample
 from specjax.models.tree import ancestor_mask
 from specjax.sampling import SamplingArrays, sample, target_probs
 
@@ -35,7 +35,8 @@ def accept(logits, draft, q, sampling: SamplingArrays, seeds, all_greedy: bool, 
     return rejection_sample(p, q, draft, seeds, implementation)
 
 
-def accept_tree(logits, tokens, parents, sampling: SamplingArrays, seeds, all_greedy: bool, width: int):
+def accept_tree(logits, tokens, parents, sampling: SamplingArrays, seeds, all_greedy: bool, width: int,
+                implementation: str = "auto"):
     """The accept step of a token tree. logits [B, T+1, V] f32 from the pass over [last, nodes]
     (row 0: after the last committed token, row i + 1: after node i); tokens, parents [B, T]
     (specjax/models/tree.py; a row whose parents hold no child of the prefix, e.g. all -2,
@@ -45,12 +46,12 @@ def accept_tree(logits, tokens, parents, sampling: SamplingArrays, seeds, all_gr
     after it).
 
     Greedy rows follow the deepest path whose every node is the target's argmax after its
-    parent; otherwise the jnp reference of multi-candidate rejection sampling
-    (`pallas_kernels.tree_sampling`, deterministic candidates: q one-hot), which keeps the
-    target's law."""
+    parent; otherwise multi-candidate rejection sampling over deterministic candidates (q
+    one-hot; `pallas_kernels.tree_sampling`, its final draw a Pallas kernel or the jnp reference
+    as `implementation` says), which keeps the target's law."""
     b, t = tokens.shape
     if not all_greedy:
-        n, path, emitted = tree_sample_reference(target_probs(logits, sampling), None, tokens, parents, seeds)
+        n, path, emitted = tree_sample(target_probs(logits, sampling), tokens, parents, seeds, implementation)
         return n, path[:, :width], emitted[:, : width + 1]
     best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T+1]
     hit = (parents >= -1) & (tokens == jnp.take_along_axis(best, jnp.maximum(parents + 1, 0), axis=1))  # [B, T]

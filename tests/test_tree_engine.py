@@ -167,3 +167,14 @@ def test_sampled_tree_steps_have_the_target_law(tiny_pair, which, setting):
     acc, chk = sum(sum(r.accepted) for r in rows), sum(sum(r.checked) for r in rows)
     assert 0 < acc < chk
     assert sum(r.off_chain for r in rows) > N_ROWS // 100
+
+
+def test_sampled_tree_steps_through_the_pallas_kernel_equal_the_reference(tiny_pair):
+    """The engine with the tree kernel (interpret mode) emits what it emits with the reference."""
+    target, weights = tiny_pair
+    drafter = Eagle3Drafter(6, weights, target).with_tree(3, 2)
+    params = [dataclasses.replace(SETTINGS[1], seed=i, max_new_tokens=12) for i in range(16)]
+    ref, ker = (Engine(target, implementation=impl).generate([PROMPT] * 16, params, drafter=drafter)
+                for impl in ("reference", "pallas"))
+    assert [r.token_ids for r in ref] == [r.token_ids for r in ker]
+    assert sum(sum(r.accepted) for r in ref) > 0

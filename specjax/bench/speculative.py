@@ -221,7 +221,8 @@ def _propose_fn(drafter, greedy: bool):
 @functools.cache
 def _accept_fn(greedy: bool, implementation: str, tree_depth: int):
     if tree_depth:
-        return jax.jit(lambda lg, d, par, samp, seeds: accept_tree(lg, d, par, samp, seeds, greedy, tree_depth))
+        return jax.jit(lambda lg, d, par, samp, seeds: accept_tree(lg, d, par, samp, seeds, greedy, tree_depth,
+                                                                   implementation))
     return jax.jit(lambda lg, d, q, samp, seeds: accept(lg, d, q, samp, seeds, greedy, implementation))
 
 
