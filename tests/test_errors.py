@@ -197,11 +197,12 @@ def test_cli_missing_model_subprocess(broken):
         (["--seed", "18446744073709551617"], "--seed must"),
         (["--drafter", "ngram", "--num-draft", "100000", "--max-new-tokens", "4"], "--num-draft"),
         (["--drafter", "ngram:foo", "--max-new-tokens", "4"], "no argument"),
-        (["--drafter", "ngram", "--tree-topk", "2", "--max-new-tokens", "4"], "drafts chains only"),
+        (["--drafter", "ngram", "--num-draft", "4", "--tree-topk", "2", "--tree-depth", "8", "--max-new-tokens", "4"],
+         "--tree-depth 8 needs"),
         (["--tree-topk", "0", "--max-new-tokens", "4"], "--tree-topk must"),
     ],
     ids=["temperature<0", "top_p=0", "top_p>1", "top_k<0", "max_new_tokens<1", "not-a-number", "seed-too-big",
-         "num-draft-too-big", "ngram-argument", "tree-of-a-chain-drafter", "tree-topk<1"],
+         "num-draft-too-big", "ngram-argument", "tree-deeper-than-its-nodes", "tree-topk<1"],
 )
 def test_cli_invalid_sampling(capsys, tiny_tok_dir, args, match):
     assert_one_line_error(*run_main(capsys, "generate", "--model", tiny_tok_dir, *args, "Hello"), match)

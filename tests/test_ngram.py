@@ -13,8 +13,7 @@ from specjax.models.loading import random_model
 from specjax.sampling import SamplingArrays, SamplingParams
 
 
-def propose(drafter, rows, full=False):
-    s = 16
+def propose(drafter, rows, full=False, s=16):
     hist = np.zeros((len(rows), s), np.int32)
     for i, r in enumerate(rows):
         hist[i, : len(r)] = r
@@ -43,6 +42,21 @@ def test_longest_most_recent_match_and_active_flag():
     assert draft[1].tolist() == [1, 2, 3] and not active[1]
     assert draft[2].tolist() == [4, 4, 4] and not active[2]  # repeats the last token
     assert draft[3].tolist() == [4, 4, 4] and active[3]
+
+
+def test_tree_is_the_trie_of_the_best_matches_continuations():
+    """k = 3 branches of depth 3: the longest match's continuation first, then the next best by
+    (length, recency); a branch agreeing with an earlier one shares its nodes (its own copies
+    get parent -2), a branch without a good enough match is dead."""
+    rows = [[1, 2, 3, 9, 9, 5, 4, 1, 2, 3, 7, 8, 6, 4, 1, 2, 3],  # "4 1 2 3" -> 7 8 6; "1 2 3" -> 9 9 5
+            [5, 1, 2, 7, 5, 1, 2, 7, 3, 5, 1, 2]]  # "5 1 2" twice: 7 3 5 and 7 5 1 share the 7
+    p = propose(NgramDrafter(9, max_n=4).with_tree(3, 3), rows, full=True, s=32)
+    tokens, parents = np.asarray(p.draft), np.asarray(p.parents)
+    assert tokens[0, :6].tolist() == [7, 8, 6, 9, 9, 5] and parents[0, :6].tolist() == [-1, 0, 1, -1, 3, 4]
+    assert parents[0, 6:].tolist() == [-2, -2, -2] and bool(p.active[0])  # no third match of 2+ tokens
+    assert tokens[1, :6].tolist() == [7, 3, 5, 7, 5, 1] and parents[1, :6].tolist() == [-1, 0, 1, -2, 0, 4]
+    chain = propose(NgramDrafter(3, max_n=4), rows, full=True, s=32)
+    assert np.array_equal(np.asarray(chain.draft), tokens[:, :3])  # branch 0 is the chain
 
 
 def test_steps_without_active_rows_are_plain_steps():

@@ -1,4 +1,4 @@
-"""Token trees in the compiled loop (EAGLE-3 dynamic trees, `Proposal.parents`): greedy output
+"""Token trees in the compiled loop (EAGLE-3 dynamic trees, n-gram tries; `Proposal.parents`): greedy output
 token-identical to plain decoding for the shipped drafter (mixed-length batches, several tree
 shapes, gated and policy-driven rows); the sampled law of whole tree steps equal to the target's
 (G-tests over every path on a tiny model, rows gated off inside verifying batches); the greedy
@@ -41,7 +41,8 @@ def real(default_model):
     return default_model, engine, ids, params, plain
 
 
-@pytest.mark.parametrize("spec, shape", [("eagle3@0", (2, 3, 6)), ("eagle3@0", (4, 5, 16)), ("eagle3@0.5", (4, 5, 16))])
+@pytest.mark.parametrize("spec, shape", [("eagle3@0", (2, 3, 6)), ("eagle3@0", (4, 5, 16)), ("eagle3@0.5", (4, 5, 16)),
+                                         ("ngram", (3, 5, 15))])
 def test_tree_greedy_is_token_identical_to_plain(real, spec, shape):
     model, engine, ids, params, plain = real
     k, depth, n = shape
@@ -75,7 +76,7 @@ def test_tree_shapes_a_drafter_cannot_draft_are_refused(default_model):
         with pytest.raises(DrafterError, match="tree"):
             eagle.with_tree(k, depth)
     with pytest.raises(DrafterError, match="chains only"):
-        make_drafter("ngram", 8, default_model).with_tree(2, 3)
+        make_drafter("mtp", 3, default_model).with_tree(2, 3)
     assert parse_tree("chain") == (1, 0) and parse_tree("4x5") == (4, 5)
     for bad in ("4", "1x3", "4x0", "ax5"):
         with pytest.raises(DrafterError, match="tree shape"):

@@ -8,14 +8,16 @@ JSON written by `--json-out` (one object):
 * `kind`: "speculative"; `model`, `model_source` (path it was loaded from), `dtype`, `backend`
   (jax backend), `device` (jax device kind); `max_new_tokens`, `repeats`, `temperatures`,
   `batch_sizes`, `num_drafts`, `drafters` (specs as given); `spec_policies` (the
-  `--spec-policy` values measured: "always", "auto"); `suites` {name: prompts used};
+  `--spec-policy` values measured: "always", "auto"); `trees` (the `--trees` proposal shapes
+  measured: "chain", "KxD"); `suites` {name: prompts used};
   `compile_seconds` (total XLA compile time of the run); `time` (local ISO time of the run).
 * `results`: one row per (suite, temperature, batch size, configuration); plain decoding is the
   configuration with `drafter` "none" and `num_draft` 0. Fields:
   `suite`, `temperature`, `batch_size`, `drafter` (spec as given, e.g. "draft:/path"), `label`
-  (short name for tables and plots), `num_draft` (K); `spec_policy` ("none" for plain decoding;
-  "always": every step verifies what the drafter proposes; "auto": the per-row fallback of
-  `specjax generate`, rows taking plain steps while verifying does not pay); `verified_share`
+  (short name for tables and plots), `num_draft` (K: draft tokens, or tree nodes); `tree`
+  ("chain", or "KxD": a dynamic tree of top-K children per node, D levels deep); `spec_policy`
+  ("none" for plain decoding; "always": every step verifies what the drafter proposes; "auto":
+  the per-row fallback of `specjax generate`, rows taking plain steps while verifying does not pay); `verified_share`
   (steps in which a row verified drafts ÷ all its steps, over all rows and repeats; null for
   plain); `prompts` (rows generated per repeat: the suite's prompts, cycled to fill the last
   batch); `tokens` (generated tokens per repeat, median);
@@ -24,7 +26,9 @@ JSON written by `--json-out` (one object):
   ÷ plain's at the same suite, batch size and sampling settings); `mean_accepted_length` (MAL:
   tokens emitted per draft-verify step, bonus included, over all repeats; 1.0 for plain);
   `acceptance_rate` (accepted ÷ checked draft positions; null for plain);
-  `per_position_acceptance` (K entries: P(draft i accepted | drafts < i accepted));
+  `per_position_acceptance` (K entries for a chain, D for a tree: P(draft i accepted | drafts < i
+  accepted), i the depth in a tree); `off_chain_share` (tree steps whose accepted path left the
+  top-1 chain ÷ verifying steps; 0 for chains);
   `warmup_seconds` (the first, untimed pass over one batch, compile included; for "auto" also
   the step-cost measurement, when not already cached);
   `compile_seconds` (the XLA compile time inside that warm-up); `peak_memory_mb` and

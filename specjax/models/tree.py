@@ -43,8 +43,8 @@ def first_children(parents: jax.Array, depth: int) -> jax.Array:
     cur = jnp.full(parents.shape[:1], -1, jnp.int32)  # [B]
     out = []
     for _ in range(depth):
-        is_child = parents == cur[:, None]  # [B, T]
+        is_child = (parents == cur[:, None]) & (cur[:, None] >= -1)  # [B, T]
         nxt = jnp.where(jnp.any(is_child, axis=1), jnp.argmax(is_child, axis=1), -1).astype(jnp.int32)  # [B]
         out.append(nxt)
-        cur = jnp.where(nxt >= 0, nxt, -2)  # -2: ended (no node's parent)
+        cur = jnp.where(nxt >= 0, nxt, -3)  # ended
     return jnp.stack(out, axis=1)
