@@ -1,8 +1,9 @@
-"""Token trees in the compiled loop (EAGLE-3 dynamic trees, n-gram tries; `Proposal.parents`): greedy output
-token-identical to plain decoding for the shipped drafter (mixed-length batches, several tree
-shapes, gated and policy-driven rows); the sampled law of whole tree steps equal to the target's
-(G-tests over every path on a tiny model, rows gated off inside verifying batches); the greedy
-accept equal to the reference walk; bad tree shapes refused in one line."""
+"""Token trees in the compiled loop (EAGLE-3 and draft-model dynamic trees, n-gram tries;
+`Proposal.parents`): greedy output token-identical to plain decoding for the shipped drafters
+(mixed-length batches, several tree shapes, gated and policy-driven rows); the sampled law of
+whole tree steps equal to the target's (G-tests over every path on a tiny model, rows gated off
+inside verifying batches); the greedy accept equal to the reference walk; bad tree shapes
+refused in one line."""
 
 import dataclasses
 
@@ -14,6 +15,7 @@ from test_sampled_engine import N_ROWS, PROMPT, SETTINGS, exact_law, law_pvalues
 from specjax.bench.speculative import parse_tree
 from specjax.drafters import make_drafter
 from specjax.drafters.base import vocab_maps
+from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_weights
 from specjax.engine import Engine
 from specjax.errors import DrafterError
@@ -42,7 +44,7 @@ def real(default_model):
 
 
 @pytest.mark.parametrize("spec, shape", [("eagle3@0", (2, 3, 6)), ("eagle3@0", (4, 5, 16)), ("eagle3@0.5", (4, 5, 16)),
-                                         ("ngram", (3, 5, 15))])
+                                         ("ngram", (3, 5, 15)), ("draft", (3, 4, 12))])
 def test_tree_greedy_is_token_identical_to_plain(real, spec, shape):
     model, engine, ids, params, plain = real
     k, depth, n = shape
@@ -125,7 +127,7 @@ def test_first_children():
 # ---- the sampled law of whole tree steps ------------------------------------------------------
 
 V = 16
-TREES = ["tree", "tree_gated"]
+TREES = ["tree", "tree_gated", "draft_tree"]
 ALPHA = 1e-3 / (2 * len(SETTINGS) * len(TREES))
 
 
@@ -146,7 +148,7 @@ def tiny_pair():
     weights = init_weights(Eagle3Config.for_target(cfg, draft_vocab_size=12), d2t, seed=4)
     pure = weights.params  # sharpen the drafter's head too: its top-k then carries most of its mass
     pure["head"][...] = pure["head"][...] * 8.0
-    return target, weights
+    return target, weights, sharpen(random_model(dataclasses.replace(cfg, num_layers=1), seed=5))
 
 
 @pytest.mark.parametrize("which", TREES)
@@ -156,9 +158,11 @@ def test_sampled_tree_steps_have_the_target_law(tiny_pair, which, setting):
     so the first three tokens' law covers whole tree steps: paths where the first child is
     rejected and a later sibling accepted (counted: `off_chain`), all children rejected, and
     rows gated off."""
-    target, weights = tiny_pair
-    cls = GatedTree if which == "tree_gated" else Eagle3Drafter
-    drafter = cls(6, weights, target).with_tree(3, 2)
+    target, weights, small = tiny_pair
+    if which == "draft_tree":  # a separate one-layer draft model's top-3 tree
+        drafter = DraftModelDrafter(6, small, target.config).with_tree(3, 2)
+    else:
+        drafter = (GatedTree if which == "tree_gated" else Eagle3Drafter)(6, weights, target).with_tree(3, 2)
     sp = SETTINGS[setting]
     seeded = [dataclasses.replace(sp, seed=sp.seed * N_ROWS + 11 + i) for i in range(N_ROWS)]
     rows = Engine(target).generate([PROMPT] * N_ROWS, seeded, drafter=drafter)
@@ -172,7 +176,7 @@ def test_sampled_tree_steps_have_the_target_law(tiny_pair, which, setting):
 
 def test_sampled_tree_steps_through_the_pallas_kernel_equal_the_reference(tiny_pair):
     """The engine with the tree kernel (interpret mode) emits what it emits with the reference."""
-    target, weights = tiny_pair
+    target, weights, _ = tiny_pair
     drafter = Eagle3Drafter(6, weights, target).with_tree(3, 2)
     params = [dataclasses.replace(SETTINGS[1], seed=i, max_new_tokens=12) for i in range(16)]
     ref, ker = (Engine(target, implementation=impl).generate([PROMPT] * 16, params, drafter=drafter)

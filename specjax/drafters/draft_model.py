@@ -5,7 +5,9 @@ Cache discipline: after every commit the draft cache holds the history up to pos
 newest history tokens (positions hist_len - 2 and hist_len - 1). Rewriting position hist_len - 2
 is harmless when it is already there, and fills it in when all K drafts were accepted (the K-th
 draft is never fed to the draft model while drafting). Rolling back after rejections is thereby
-just setting the length: static shapes, no branches.
+just setting the length: static shapes, no branches. Trees (`with_tree`, dynamic_tree.py) read the
+cache without writing it while drafting, so a tree step's commit feeds the accepted tokens from
+the history (`catch_up`, one pass of depth + 1 positions).
 
 Checkpoints: any model `load_model` reads (GGUF, HF directory), or a *distilled* draft model
 (train/draft_model.py) that borrows its target's embedding and LM head. Those tables are most of
@@ -28,6 +30,7 @@ from flax import nnx
 
 from specjax.drafters import checkpoint
 from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext, draft_token, head_rows
+from specjax.drafters.dynamic_tree import dynamic_tree, tree_candidates
 from specjax.errors import DrafterError, ModelLoadError
 from specjax.models.llama import linear
 from specjax.models.loading import Model
@@ -146,6 +149,9 @@ class DraftModelDrafter(Drafter):
     def cache_key(self):
         return super().cache_key() + (id(self.model), id(self.d2t))
 
+    def max_tree_nodes(self, topk: int, depth: int) -> int:
+        return tree_candidates(topk, depth)
+
     def params(self):
         head = head_rows(self.model.module().head_weight(), self.d2t)  # [N or V, D]
         return {"model": self.model.params, "head": head, "d2t": self.d2t}
@@ -173,13 +179,23 @@ class DraftModelDrafter(Drafter):
         h, cache, _ = m.hidden(two, cache)  # [B, 2, D]
         h = h[:, 1]  # [B, D]
         cache = cache.advance(2)
+        head = lambda x: linear(dparams["head"], x, jnp.float32)  # [..., D] -> [..., N or V]
+        if self.tree_topk > 1:
+            # An EAGLE-2 dynamic tree of K nodes, its candidates the model's top-k (q = None: the
+            # one-hot scheme keeps sampling lossless); the hidden state plays the feature's part.
+            def expand(tok, _parent_h, positions, mask):  # [B, E] -> [B, E, D]; cache read only
+                return m.hidden_kv(tok, cache, positions=positions, mask=mask)[0]
+
+            tokens, parents, _, _ = dynamic_tree(expand, head, dparams["d2t"], h, cache.lengths, self.tree_topk,
+                                                 self.tree_depth, self.num_draft)  # [B, K] each
+            return Proposal(tokens, None, parents=parents), cache
         drafts, qs = [], []
         for i in range(self.num_draft):  # K is small and static: unrolled
             if i > 0:
                 h1, cache, _ = m.hidden(drafts[-1][:, None], cache)  # [B, 1, D]
                 h = h1[:, 0]
                 cache = cache.advance(1)
-            logits = linear(dparams["head"], h, jnp.float32)  # [B, N or V]
+            logits = head(h)  # [B, N or V]
             tok, q = draft_token(ctx.seeds, i, logits, dparams["d2t"], self.model.config.vocab_size, ctx.sampling,
                                  ctx.all_greedy)  # [B], [B, V] | None
             drafts.append(tok.astype(jnp.int32))
@@ -198,4 +214,6 @@ class DraftModelDrafter(Drafter):
             tok = jnp.take_along_axis(ctx.history, pos[:, None], axis=1)  # [B, 1]
             _, cache, _ = m.hidden(tok, cache.with_lengths(pos))
             return cache.with_lengths(jnp.maximum(ctx.hist_len - 2, 0))
+        if self.tree_topk > 1:  # the tree's nodes were never written: feed the accepted path
+            return self.catch_up(dparams, cache, ctx)
         return cache.with_lengths(ctx.hist_len - 2)

@@ -20,7 +20,7 @@ the cache length is set to the new m, so the rest is overwritten later, the same
 target's). Training (train/eagle3.py) unrolls exactly these steps ("training-time test"), so the
 drafter learns to read its own features.
 
-Tree drafting (eagle3_tree.py) replaces the K - 1 chain steps by batched steps over a token
+Tree drafting (dynamic_tree.py) replaces the K - 1 chain steps by batched steps over a token
 tree (`step` takes positions and a tree mask); the cache and commit discipline stay the same.
 """
 
@@ -37,7 +37,7 @@ from flax import nnx, struct
 from pallas_kernels.platform import target_platform
 from specjax.drafters import checkpoint
 from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext, draft_token
-from specjax.drafters.eagle3_tree import dynamic_tree, tree_candidates
+from specjax.drafters.dynamic_tree import dynamic_tree, tree_candidates
 from specjax.errors import DrafterError
 from specjax.models.config import LlamaConfig
 from specjax.models.kv_cache import KVCache
@@ -367,7 +367,7 @@ class Eagle3Drafter(Drafter):
         return Proposal(draft, q, active), st.replace(cache=cache.with_lengths(st.cache.lengths))
 
     def _propose_tree(self, dparams, st: Eagle3State, ctx: StepContext) -> Proposal:
-        """An EAGLE-2 dynamic tree of K nodes (eagle3_tree.py), its candidates deterministic (the
+        """An EAGLE-2 dynamic tree of K nodes (dynamic_tree.py), its candidates deterministic (the
         drafter's top-k: q = None, lossless under the one-hot scheme). Gated on the drafter's
         probability mass over the root's k children (the chance one of them is accepted)."""
         net = nnx.merge(self.weights.graphdef, dparams["net"])
@@ -377,8 +377,12 @@ class Eagle3Drafter(Drafter):
             probs = jax.nn.softmax(net.logits(st.g_last).astype(jnp.float32), axis=-1)  # [B, N]
             active = jnp.sum(jax.lax.top_k(probs, k)[0], axis=-1) >= self.min_confidence  # [B]
 
+        def expand(tok, feat, positions, mask):  # [B, E] target ids, [B, E, D] parents' g
+            emb = jnp.take(dparams["embed"], tok, axis=0).astype(feat.dtype)  # [B, E, D]
+            return net.step(emb, feat, st.cache, positions=positions, mask=mask)[0]  # cache not kept
+
         def build():
-            tokens, parents, _, _ = dynamic_tree(net, dparams["embed"], dparams["d2t"], st.cache, st.g_last, k,
+            tokens, parents, _, _ = dynamic_tree(expand, net.logits, dparams["d2t"], st.g_last, st.cache.lengths, k,
                                                  self.tree_depth, self.num_draft)
             return tokens, parents  # [B, K] each
 

@@ -1,17 +1,19 @@
-"""EAGLE-2 dynamic token trees from an EAGLE-3 drafter state (Li et al. 2024).
+"""EAGLE-2 dynamic token trees (Li et al. 2024) from any autoregressive drafter state.
 
-From the accepted prefix (drafter cache of length m, output g_{m-1}):
+A drafter that reads its own previous output (EAGLE-3's feature g, a draft model's hidden state)
+is described by three things: `root [B, D]`, its output at the last accepted position; `logits`,
+output -> draft-vocab logits; and `expand`, one read-only pass over expanded nodes. From them:
 
-* level 1: the top-k tokens of the drafter's distribution at g_{m-1}, scored by log-probability;
+* level 1: the top-k tokens of the drafter's distribution at the root, scored by log-probability;
 * level d >= 2: the k best nodes of level d - 1 by cumulative score are expanded: one drafter
-  step on [embed(node) ; g(parent)] at position m + d - 2, attending to the prefix and to the
-  node's expanded ancestors (the tree mask), whose top-k children join level d;
+  pass on each node's token and its parent's output at position m + d - 2, attending to the
+  prefix and to the node's expanded ancestors (the tree mask), whose top-k children join level d;
 * the tree is the `num_nodes` best candidates overall by cumulative score; scores fall along a
   path, so a kept node's ancestors are kept (ties go to the earlier, shallower node).
 
 Shapes are static: C = k + (D - 1) k^2 candidates, E = (D - 1) k expansions. Every level's pass
 reruns the expansions before it (T grows to E <= 40 positions for k, D <= 8, 6): simple and
-exact; an engine would keep them in the drafter cache instead. k = 1 is chain drafting.
+exact, and nothing is written to the drafter's cache. k = 1 is chain drafting.
 """
 
 from __future__ import annotations
@@ -27,23 +29,28 @@ def tree_candidates(topk: int, depth: int) -> int:
     return topk + (depth - 1) * topk * topk
 
 
-def dynamic_tree(net, embed, d2t, cache, g_last, topk: int, depth: int, num_nodes: int):
-    """net: an `Eagle3` module; embed `[V, D]` the token table; d2t `[N]` draft -> target ids;
-    cache: the drafter cache with lengths m `[B]`; g_last `[B, D]`.
+def dynamic_tree(expand, logits, d2t, root, lengths, topk: int, depth: int, num_nodes: int):
+    """expand(tokens `[B, E]` target ids, feats `[B, E, D]` (each node's parent's output),
+    positions `[B, E]`, mask `[B, E, E]`) -> outputs `[B, E, D]`, the drafter's pass over E
+    expanded nodes, reading its cache without writing it; logits(`[..., D]`) -> `[..., N]`
+    draft-vocab logits; d2t `[N]` draft -> target ids (None: N = V, the ids themselves);
+    root `[B, D]` the drafter's output at the last accepted position; lengths `[B]` the
+    position of a first draft.
 
     Returns tokens `[B, num_nodes]` (target ids), parents `[B, num_nodes]` (-1: child of the
     prefix), depths `[B, num_nodes]` (0-based) and cumulative log-probabilities, ordered so that
     parents come before their children.
     """
-    b = g_last.shape[0]
+    to_target = (lambda t: t) if d2t is None else (lambda t: jnp.take(d2t, t))
+    b = root.shape[0]
     k = topk
-    logp = jax.nn.log_softmax(net.logits(g_last), axis=-1)  # [B, N]
+    logp = jax.nn.log_softmax(logits(root), axis=-1)  # [B, N]
     score, tok = jax.lax.top_k(logp, k)  # [B, k] level 1
     c_tok, c_score = tok, score  # candidates: draft-vocab ids, cumulative scores
     c_par = jnp.full((b, k), -1, jnp.int32)  # candidate parent (candidate index)
     c_depth = jnp.zeros((b, k), jnp.int32)
     e_cand = jnp.zeros((b, 0), jnp.int32)  # expanded candidates, by expansion index
-    e_in = jnp.zeros((b, 0, g_last.shape[-1]), g_last.dtype)  # the feature each expansion reads
+    e_in = jnp.zeros((b, 0, root.shape[-1]), root.dtype)  # the feature each expansion reads
     e_out = e_in  # its output g (the feature its children read)
     e_par = jnp.zeros((b, 0), jnp.int32)  # expansion index of the parent's expansion (-1: root)
     c_exp = jnp.full((b, k), -1, jnp.int32)  # candidate -> its expansion index
@@ -54,7 +61,7 @@ def dynamic_tree(net, embed, d2t, cache, g_last, topk: int, depth: int, num_node
         front = level[pick]  # [B, k] candidate indices
         par_c = jnp.take_along_axis(c_par, front, axis=1)  # [B, k]
         par_e = jnp.where(par_c >= 0, jnp.take_along_axis(c_exp, jnp.maximum(par_c, 0), axis=1), -1)  # [B, k]
-        outs = jnp.concatenate([g_last[:, None], e_out], axis=1)  # [B, 1 + E, D]: root, expansions
+        outs = jnp.concatenate([root[:, None], e_out], axis=1)  # [B, 1 + E, D]: root, expansions
         new_in = jnp.take_along_axis(outs, (par_e + 1)[..., None], axis=1)  # [B, k, D]
         base = e_cand.shape[1]
         e_cand = jnp.concatenate([e_cand, front], axis=1)  # [B, E]
@@ -65,10 +72,9 @@ def dynamic_tree(net, embed, d2t, cache, g_last, topk: int, depth: int, num_node
         n_e = e_cand.shape[1]
         e_tok = jnp.take_along_axis(c_tok, e_cand, axis=1)  # [B, E] draft ids
         e_depth = jnp.take_along_axis(c_depth, e_cand, axis=1)  # [B, E] 0-based depth of the node
-        emb = jnp.take(embed, jnp.take(d2t, e_tok), axis=0).astype(g_last.dtype)  # [B, E, D]
-        positions = cache.lengths[:, None] + e_depth  # [B, E]: draft i + 1 runs at m + i - 1
-        e_out, _ = net.step(emb, e_in, cache, positions=positions, mask=ancestor_mask(e_par))  # [B, E, D]
-        lp = jax.nn.log_softmax(net.logits(e_out[:, n_e - k :]), axis=-1)  # [B, k, N]
+        positions = lengths[:, None] + e_depth  # [B, E]: draft i + 1 runs at m + i - 1
+        e_out = expand(to_target(e_tok), e_in, positions, ancestor_mask(e_par))  # [B, E, D]
+        lp = jax.nn.log_softmax(logits(e_out[:, n_e - k :]), axis=-1)  # [B, k, N]
         s, t = jax.lax.top_k(lp, k)  # [B, k, k]
         front_score = jnp.take_along_axis(c_score, front, axis=1)  # [B, k]
         level_start = c_tok.shape[1]
@@ -82,19 +88,6 @@ def dynamic_tree(net, embed, d2t, cache, g_last, topk: int, depth: int, num_node
     where = jax.vmap(lambda kp: jnp.full((c_tok.shape[1],), -1, jnp.int32).at[kp].set(jnp.arange(n)))(keep)
     par = jnp.take_along_axis(c_par, keep, axis=1)
     parents = jnp.where(par >= 0, jnp.take_along_axis(where, jnp.maximum(par, 0), axis=1), -1)
-    tokens = jnp.take(d2t, jnp.take_along_axis(c_tok, keep, axis=1))
+    tokens = to_target(jnp.take_along_axis(c_tok, keep, axis=1))
     return (tokens.astype(jnp.int32), parents.astype(jnp.int32), jnp.take_along_axis(c_depth, keep, axis=1),
             jnp.take_along_axis(c_score, keep, axis=1))
-
-
-def greedy_accepted(tokens, parents, depths, target_next):
-    """Accepted drafts of a tree under greedy verification: the deepest node whose path equals
-    the target's next tokens `target_next [B, >= D]`. tokens/parents/depths `[B, N]` -> `[B]`."""
-    b, n = tokens.shape
-    ok = jnp.zeros((b, n), bool)
-    for i in range(n):  # parents precede children
-        par_ok = jnp.where(parents[:, i] >= 0, jnp.take_along_axis(ok, jnp.maximum(parents[:, i], 0)[:, None], 1)[:, 0],
-                           True)
-        hit = tokens[:, i] == jnp.take_along_axis(target_next, depths[:, i][:, None], axis=1)[:, 0]
-        ok = ok.at[:, i].set(par_ok & hit)
-    return jnp.max(jnp.where(ok, depths + 1, 0), axis=1)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from specjax.drafters.base import vocab_maps
+from specjax.drafters.dynamic_tree import dynamic_tree
 from specjax.drafters.eagle3 import Eagle3Config, init_weights
-from specjax.drafters.eagle3_tree import dynamic_tree, greedy_accepted
 from specjax.models.config import tiny
 from specjax.models.loading import random_model
 
@@ -32,6 +32,14 @@ def setup():
     return net, embed, w.d2t, cache.with_lengths(jnp.full((2,), p)), g[:, p - 1]
 
 
+def tree(net, embed, d2t, cache, g_last, **shape):
+    def expand(tok, feat, positions, mask):
+        emb = jnp.take(embed, tok, axis=0)
+        return net.step(emb, feat, cache, positions=positions, mask=mask)[0]
+
+    return dynamic_tree(expand, net.logits, d2t, g_last, cache.lengths, **shape)
+
+
 def chain_logp(net, embed, d2t, cache, g_last, path_draft_ids):
     """log q of each token of a forced chain of draft-vocab ids `[B, L]`, summed."""
     total, g = 0.0, g_last
@@ -46,7 +54,7 @@ def chain_logp(net, embed, d2t, cache, g_last, path_draft_ids):
 
 def test_topk_one_is_chain_drafting(setup):
     net, embed, d2t, cache, g_last = setup
-    tokens, parents, depths, _ = dynamic_tree(net, embed, d2t, cache, g_last, topk=1, depth=4, num_nodes=4)
+    tokens, parents, depths, _ = tree(net, embed, d2t, cache, g_last, topk=1, depth=4, num_nodes=4)
     assert parents.tolist() == [[-1, 0, 1, 2]] * 2 and depths.tolist() == [[0, 1, 2, 3]] * 2
     g, c, chain = g_last, cache, []
     for _ in range(4):
@@ -59,7 +67,7 @@ def test_topk_one_is_chain_drafting(setup):
 
 def test_tree_scores_are_path_log_probs(setup):
     net, embed, d2t, cache, g_last = setup
-    tokens, parents, depths, scores = dynamic_tree(net, embed, d2t, cache, g_last, topk=3, depth=4, num_nodes=16)
+    tokens, parents, depths, scores = tree(net, embed, d2t, cache, g_last, topk=3, depth=4, num_nodes=16)
     inv = {int(t): i for i, t in enumerate(np.asarray(d2t))}
     tok, par = np.asarray(tokens), np.asarray(parents)
     for row in range(2):
@@ -74,12 +82,3 @@ def test_tree_scores_are_path_log_probs(setup):
             want = chain_logp(net, embed, d2t, cache, g_last, ids)[row]
             np.testing.assert_allclose(float(scores[row, i]), float(want), atol=1e-4)
     assert (np.diff(np.sort(np.asarray(scores), axis=1)[:, ::-1], axis=1) <= 0).all()
-
-
-def test_greedy_accepted_follows_the_matching_path():
-    tokens = jnp.asarray([[5, 7, 1, 2, 9]])
-    parents = jnp.asarray([[-1, -1, 0, 1, 3]])
-    depths = jnp.asarray([[0, 0, 1, 1, 2]])
-    assert greedy_accepted(tokens, parents, depths, jnp.asarray([[7, 2, 9, 0]])).tolist() == [3]
-    assert greedy_accepted(tokens, parents, depths, jnp.asarray([[5, 2, 9, 0]])).tolist() == [1]
-    assert greedy_accepted(tokens, parents, depths, jnp.asarray([[4, 2, 9, 0]])).tolist() == [0]
