@@ -24,6 +24,22 @@ class ArgumentParser(argparse.ArgumentParser):
         raise SpecjaxError(f"{sub}: {message}" if sub else message)
 
 
+def add_tree_args(p) -> None:
+    p.add_argument("--tree-topk", type=int, default=1, help="k > 1: draft a token tree of --num-draft nodes "
+                   "(EAGLE-2 dynamic tree: the k best children of the best nodes per level; eagle3, draft; "
+                   "ngram: its k best matches' continuations), verified in one pass; 1 (default): a chain")
+    p.add_argument("--tree-depth", type=int, default=0, help="levels of the tree, the most drafts one step "
+                   "accepts (default: min(--num-draft, 5))")
+
+
+def check_draft_args(a) -> None:
+    """`--num-draft`, `--tree-topk`, `--tree-depth` in range (one line each), before the model loads."""
+    if a.num_draft < 0:
+        raise InvalidSamplingError(f"--num-draft must be >= 0, got {a.num_draft}")
+    if a.tree_topk < 1 or a.tree_depth < 0:
+        raise InvalidSamplingError(f"--tree-topk must be >= 1 and --tree-depth >= 0, got {a.tree_topk}, {a.tree_depth}")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file, HF checkpoint dir, or hub id in the local HF cache "
                    "(default: the embedded SmolLM2-135M-Instruct)")
@@ -74,10 +90,7 @@ def cmd_generate(a) -> int:
     for i, p in enumerate(a.prompts):  # before the model loads
         check_text(p, f"PROMPT {i + 1}" if len(a.prompts) > 1 else "the prompt")
     sampling = sampling_from_args(a)
-    if a.num_draft < 0:
-        raise InvalidSamplingError(f"--num-draft must be >= 0, got {a.num_draft}")
-    if a.tree_topk < 1 or a.tree_depth < 0:
-        raise InvalidSamplingError(f"--tree-topk must be >= 1 and --tree-depth >= 0, got {a.tree_topk}, {a.tree_depth}")
+    check_draft_args(a)
     model = specjax.load_model(a.model, dtype=a.dtype)
     results = specjax.generate(
         a.prompts, model=model, sampling=sampling, drafter=a.drafter, num_draft=a.num_draft, raw=a.raw,
@@ -216,14 +229,13 @@ def cmd_batch(a) -> int:
         rows = scaleout.merge_parts(a.output, a.num_processes)
         print(f"specjax batch: merged {a.num_processes} parts: {rows} rows in {a.output}", file=sys.stderr)
         return 0
-    if a.num_draft < 0:
-        raise InvalidSamplingError(f"--num-draft must be >= 0, got {a.num_draft}")
+    check_draft_args(a)
     if a.limit is not None and a.limit < 1:
         raise SpecjaxError(f"--limit must be >= 1, got {a.limit}")
     cfg = batch.BatchConfig(
         output=a.output, input=a.input, suite=a.suite, limit=a.limit, model=a.model, dtype=a.dtype,
-        drafter=a.drafter, num_draft=a.num_draft, spec_policy=a.spec_policy, sampling=sampling_from_args(a),
-        batch_size=a.batch_size,
+        drafter=a.drafter, num_draft=a.num_draft, tree_topk=a.tree_topk, tree_depth=a.tree_depth,
+        spec_policy=a.spec_policy, sampling=sampling_from_args(a), batch_size=a.batch_size,
         latency_class=a.latency_class, raw=a.raw, mesh=a.mesh, merge_wait=a.merge_wait, progress=not a.no_progress,
         num_processes=a.num_processes or 1, process_id=a.process_id or 0,
     )
@@ -357,11 +369,7 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--spec-policy", choices=("auto", "always"), default="auto", help="auto (default): each "
                    "prompt verifies drafts only while its measured acceptance pays for a verify step on this "
                    "machine, else takes plain steps and probes again later; always: verify every proposal")
-    g.add_argument("--tree-topk", type=int, default=1, help="k > 1: draft a token tree of --num-draft nodes "
-                   "(EAGLE-2 dynamic tree: the k best children of the best nodes per level; eagle3), verified in "
-                   "one pass; 1 (default): a chain")
-    g.add_argument("--tree-depth", type=int, default=0, help="levels of the tree, the most drafts one step "
-                   "accepts (default: min(--num-draft, 5))")
+    add_tree_args(g)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     g.add_argument("--compare-plain", action="store_true", help="also decode the prompts without the drafter "
                    "and print the speedup measured in this run")
@@ -422,6 +430,7 @@ def build_parser() -> ArgumentParser:
     add_sampling_args(j, job_seed=True)
     j.add_argument("--drafter", default="none", help=drafter_specs(" | "))
     j.add_argument("--num-draft", type=int, default=0, help="K, draft tokens per step")
+    add_tree_args(j)
     j.add_argument("--spec-policy", default="auto", help="auto: each row verifies only while its acceptance pays "
                    "for a verify step at the step costs measured on each batch shape's first batch (kept in "
                    "OUTPUT.policy.json for resumes); always: verify every step; N: speculate only in batches of "

@@ -67,7 +67,6 @@ def get_model(model: Model | str | None, dtype: str | None = None) -> Model:
     return _MODELS[key]
 
 
-DEFAULT_TREE_DEPTH = 5  # levels of a tree when only its node count and k are given
 
 
 def get_engine(model: Model, mesh=None) -> Engine:
@@ -80,12 +79,14 @@ def get_engine(model: Model, mesh=None) -> Engine:
     return hit[1]
 
 
-def get_drafter(spec: str | None, num_draft: int, target: Model) -> Drafter:
-    """Drafters are cached with their loaded draft models, so repeated calls reuse compiled code."""
-    key = (id(target), spec, num_draft)
+def get_drafter(spec: str | None, num_draft: int, target: Model, tree_topk: int = 1, tree_depth: int = 0) -> Drafter:
+    """`make_drafter`'s drafters, cached with their loaded draft models, so repeated calls reuse
+    compiled code."""
+    key = (id(target), spec, num_draft, tree_topk, tree_depth)
     hit = _DRAFTERS.get(key)
     if hit is None or hit[0] is not target:
-        hit = (target, make_drafter(spec, num_draft, target, load=lambda p, dt: get_model(p, dt)))
+        hit = (target, make_drafter(spec, num_draft, target, load=lambda p, dt: get_model(p, dt),
+                                    tree_topk=tree_topk, tree_depth=tree_depth))
         _DRAFTERS[key] = hit
     return hit[1]
 
@@ -201,8 +202,7 @@ def generate(
     ids = [encode_prompt(m, p, raw) for p in prompts]
     for x, p in zip(ids, params):
         check_fits(m, len(x), p.max_new_tokens)
-    d = get_drafter(drafter, num_draft, m)
-    d = d.with_tree(tree_topk, tree_depth or min(d.num_draft, DEFAULT_TREE_DEPTH))
+    d = get_drafter(drafter, num_draft, m, tree_topk, tree_depth)
     engine = get_engine(m, mesh)
     if spec_policy == "auto" and d.num_draft > 0:
         costs = spec_costs

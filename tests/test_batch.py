@@ -495,3 +495,16 @@ def test_batch_policy_state_file(tmp_path):
         with pytest.raises(SpecjaxError, match="--spec-policy"):
             parse_policy(bad)
     assert parse_policy("AUTO") == "auto" and parse_policy(" 8 ") == 8 and parse_policy("always") == "always"
+
+
+def test_tree_drafting_batch_job_equals_plain(batch_model, greedy_input, reference, tmp_path):
+    """`specjax batch --tree-topk 3 --tree-depth 3`: n-gram tries of 6 nodes verified every step;
+    greedy rows equal plain decoding and their stats name the tree."""
+    from specjax.serving.batch import run_batch
+
+    out = tmp_path / "res.jsonl"
+    run_batch(config(batch_model, greedy_input, out, drafter="ngram", num_draft=6, tree_topk=3, tree_depth=3,
+                     spec_policy="always"))
+    rows = read_rows(out)
+    assert rows and all((r["stats"]["num_draft"], r["stats"]["tree"]) == (6, "3x3") for r in rows)
+    assert_same(rows, reference, [r["id"] for r in rows])

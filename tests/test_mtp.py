@@ -242,3 +242,43 @@ def test_draft_vocabulary_export_and_greedy_lossless(sharp_target, sharp_store, 
     sampled = engine.generate(prompts[:2], [SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=12, seed=1)] * 2,
                               drafter=d)
     assert all(len(r.token_ids) == 12 for r in sampled)
+
+
+def test_tree_scores_are_the_training_log_probs_of_each_path(sharp_target, weights):
+    """A tree's node scores = sum over its path of module j's teacher-forced log-probability of
+    draft j at m - 1, on the sequence whose continuation is that path (each of the k windows of a
+    level reads its own path's drafts), for prompts shorter and longer than the window."""
+    rng = np.random.RandomState(7)
+    b, s, t, k, n = 2, 64, 8, 3, 9
+    x = jnp.asarray(rng.randint(0, 256, (b, 16)), jnp.int32)
+    tm = sharp_target.module()
+    drafter = MTPDrafter(n, weights, sharp_target).with_tree(k, DEPTH)
+    dparams, net = drafter.params(), weights.module()
+    m = np.array([1, 6])
+    final, _, _ = tm.hidden(x, tm.new_cache(b, s))
+    hist = jnp.pad(x, ((0, 0), (0, s - 16)))
+    samp = SamplingArrays.from_params([SamplingParams()] * b)
+    ictx = InitContext(jnp.where(jnp.arange(t)[None] < m[:, None], x[:, :t], 0), jnp.asarray(m), hist,
+                       jnp.asarray(m + 1), samp, None, final[:, :t], s, True)
+    st = drafter.init(dparams, ictx)
+    tokens, parents, depths, scores = jax.jit(lambda st: drafter.draft_tree(dparams, st, hist))(st)
+
+    @jax.jit
+    def path_logp(seq, mm, path, length):  # seq [1, 16]: x_0..x_m, then the path
+        fin, _, _ = tm.hidden(seq, tm.new_cache(1, 16))
+        logp = [jax.nn.log_softmax(net.logits(j, h, dparams["head"]), -1)[0, mm - 1]
+                for j, h in enumerate(mtp_hidden(net, dparams["embed"], seq, fin, DEPTH), 1)]
+        return sum(jnp.where(j < length, logp[j][path[j]], 0.0) for j in range(DEPTH))
+
+    tok, par, dep = np.asarray(tokens), np.asarray(parents), np.asarray(depths)
+    for r in range(b):
+        assert len({(par[r, i], tok[r, i]) for i in range(n)}) == n and dep[r].max() == DEPTH - 1
+        for i in range(n):
+            path, j = [], i
+            while j >= 0:
+                path.insert(0, int(tok[r, j]))
+                j = par[r, j]
+            seq = np.asarray(x[r : r + 1]).copy()
+            seq[0, m[r] + 1 : m[r] + 1 + len(path)] = path
+            want = path_logp(jnp.asarray(seq), int(m[r]), jnp.asarray(path + [0] * (DEPTH - len(path))), len(path))
+            np.testing.assert_allclose(float(scores[r, i]), float(want), atol=2e-4)

@@ -1,4 +1,4 @@
-"""Token trees in the compiled loop (EAGLE-3 and draft-model dynamic trees, n-gram tries;
+"""Token trees in the compiled loop (EAGLE-3, draft-model and MTP dynamic trees, n-gram tries;
 `Proposal.parents`): greedy output token-identical to plain decoding for the shipped drafters
 (mixed-length batches, several tree shapes, gated and policy-driven rows); the sampled law of
 whole tree steps equal to the target's (G-tests over every path on a tiny model, rows gated off
@@ -44,11 +44,11 @@ def real(default_model):
 
 
 @pytest.mark.parametrize("spec, shape", [("eagle3@0", (2, 3, 6)), ("eagle3@0", (4, 5, 16)), ("eagle3@0.5", (4, 5, 16)),
-                                         ("ngram", (3, 5, 15)), ("draft", (3, 4, 12))])
+                                         ("ngram", (3, 5, 15)), ("draft", (3, 4, 12)), ("mtp", (3, 3, 9))])
 def test_tree_greedy_is_token_identical_to_plain(real, spec, shape):
     model, engine, ids, params, plain = real
     k, depth, n = shape
-    drafter = make_drafter(spec, n, model).with_tree(k, depth)
+    drafter = make_drafter(spec, n, model, tree_topk=k, tree_depth=depth)
     rows = engine.generate(ids, params, eos_ids=model.config.eos_token_ids, drafter=drafter)
     for p, r in zip(plain, rows):
         assert r.token_ids == p.token_ids
@@ -78,7 +78,10 @@ def test_tree_shapes_a_drafter_cannot_draft_are_refused(default_model):
         with pytest.raises(DrafterError, match="tree"):
             eagle.with_tree(k, depth)
     with pytest.raises(DrafterError, match="chains only"):
-        make_drafter("mtp", 3, default_model).with_tree(2, 3)
+        make_drafter("none", 0, default_model).with_tree(2, 3)
+    with pytest.raises(DrafterError, match="has 3 modules, so it drafts 1..3 tokens per step; got --tree-depth 4"):
+        make_drafter("mtp", 6, default_model, tree_topk=2, tree_depth=4)
+    assert make_drafter("mtp", 6, default_model, tree_topk=2).tree_depth == 3  # at most its modules
     assert parse_tree("chain") == (1, 0) and parse_tree("4x5") == (4, 5)
     for bad in ("4", "1x3", "4x0", "ax5"):
         with pytest.raises(DrafterError, match="tree shape"):

@@ -106,20 +106,15 @@ def resolve_configs(specs: list[str], num_drafts: list[int], model,
             continue
         errors, built = [], 0
         for k in num_drafts:
-            try:
-                d = get_drafter(spec, k, model)
-            except DrafterError as e:  # e.g. K above a trained head count: skip that K
-                errors.append(e)
-                continue
             for tree in trees:
-                try:
-                    dt = d.with_tree(*parse_tree(tree))
+                try:  # e.g. K above a trained head count, trees of a chain drafter: skip that shape
+                    d = get_drafter(spec, k, model, *parse_tree(tree))
                 except DrafterError as e:
                     errors.append(e)
                     continue
                 built += 1
                 for policy in spec_policies:
-                    c = Config(spec, d.num_draft, dt, policy, tree.strip().lower())
+                    c = Config(spec, d.num_draft, d, policy, tree.strip().lower())
                     if c.key not in seen:
                         seen.add(c.key)
                         configs.append(c)

@@ -61,17 +61,22 @@ def _gate_suffix(arg: str, spec: str) -> tuple[str, float | None]:
     return path, g
 
 
-def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = None, load=None) -> Drafter:
+def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = None, load=None,
+                 tree_topk: int = 1, tree_depth: int = 0) -> Drafter:
     """`load(path, dtype)` loads a draft model (defaults to `specjax.load_model`). A draft model
     that cannot be loaded raises DrafterError naming the drafter (not ModelLoadError, which would
-    read as the target's)."""
+    read as the target's). `tree_topk` > 1: token trees of `num_draft` nodes over `tree_depth`
+    levels (0: the drafter's `default_tree_depth`); shapes it cannot draft are one-line errors."""
     try:
-        return _make_drafter(spec, num_draft, target, dtype, load)
+        d = _make_drafter(spec, num_draft, target, dtype, load)
     except ModelLoadError as e:
         msg = str(e)
         if msg.startswith("model not found"):
             msg = "drafter not found" + msg[len("model not found"):]
         raise DrafterError(f"--drafter {(spec or '').strip()}: {msg}") from None
+    d = d.with_tree(tree_topk, tree_depth or d.default_tree_depth())
+    d.check_shape()
+    return d
 
 
 def _make_drafter(spec: str | None, num_draft: int, target, dtype: str | None, load) -> Drafter:

@@ -37,6 +37,8 @@ from flax import struct
 
 from specjax.sampling import SamplingArrays, derive, sample, target_probs
 
+DEFAULT_TREE_DEPTH = 5  # levels of a tree when only its node count and k are given
+
 
 @struct.dataclass
 class Proposal:
@@ -120,6 +122,14 @@ class Drafter:
         """How many nodes a tree of `topk` children per node over `depth` levels can hold, for
         drafters that draft trees; 0 for those that do not."""
         return 0
+
+    def default_tree_depth(self) -> int:
+        """Levels of a tree when only its node count and k are given."""
+        return min(self.num_draft, DEFAULT_TREE_DEPTH)
+
+    def check_shape(self) -> None:
+        """A one-line DrafterError when this drafter cannot draft `accept_width` tokens a step
+        (e.g. more than an MTP drafter's modules); `make_drafter` calls it once built and shaped."""
 
     def with_tree(self, topk: int, depth: int) -> "Drafter":
         """This drafter drafting trees of `num_draft` nodes, `topk` children per expanded node,

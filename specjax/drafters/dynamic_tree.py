@@ -82,12 +82,21 @@ def dynamic_tree(expand, logits, d2t, root, lengths, topk: int, depth: int, num_
         c_score = jnp.concatenate([c_score, (front_score[..., None] + s).reshape(b, k * k)], axis=1)
         c_par = jnp.concatenate([c_par, jnp.repeat(front, k, axis=1)], axis=1)
         c_depth = jnp.concatenate([c_depth, jnp.full((b, k * k), d - 1, jnp.int32)], axis=1)
-    n = min(num_nodes, c_tok.shape[1])
-    _, keep = jax.lax.top_k(c_score - 1e-6 * jnp.arange(c_tok.shape[1]), n)  # ties: earlier first
+    tokens, parents, depths, scores = best_nodes(c_tok, c_score, c_par, c_depth, num_nodes)
+    return to_target(tokens).astype(jnp.int32), parents, depths, scores
+
+
+def best_nodes(c_tok, c_score, c_par, c_depth, num_nodes: int):
+    """The tree of the `num_nodes` best candidates (all `[B, C]`: token, cumulative score,
+    parent candidate index or -1, depth; parents listed before children) by score, in candidate
+    order; ties go to the earlier candidate, so a kept node's ancestors are kept. Returns tokens,
+    parents (node indices, -1: child of the prefix), depths and scores, `[B, num_nodes]` each."""
+    c = c_tok.shape[1]
+    n = min(num_nodes, c)
+    _, keep = jax.lax.top_k(c_score - 1e-6 * jnp.arange(c), n)  # [B, n]
     keep = jnp.sort(keep, axis=1)  # candidate order: parents first
-    where = jax.vmap(lambda kp: jnp.full((c_tok.shape[1],), -1, jnp.int32).at[kp].set(jnp.arange(n)))(keep)
+    where = jax.vmap(lambda kp: jnp.full((c,), -1, jnp.int32).at[kp].set(jnp.arange(n)))(keep)  # [B, C]
     par = jnp.take_along_axis(c_par, keep, axis=1)
     parents = jnp.where(par >= 0, jnp.take_along_axis(where, jnp.maximum(par, 0), axis=1), -1)
-    tokens = to_target(jnp.take_along_axis(c_tok, keep, axis=1))
-    return (tokens.astype(jnp.int32), parents.astype(jnp.int32), jnp.take_along_axis(c_depth, keep, axis=1),
-            jnp.take_along_axis(c_score, keep, axis=1))
+    gather = lambda x: jnp.take_along_axis(x, keep, axis=1)
+    return gather(c_tok), parents.astype(jnp.int32), gather(c_depth), gather(c_score)

@@ -49,6 +49,7 @@ from flax import nnx, struct
 
 from specjax.drafters import checkpoint
 from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext, draft_token, head_rows
+from specjax.drafters.dynamic_tree import best_nodes, tree_candidates
 from specjax.errors import DrafterError
 from specjax.models.config import LlamaConfig
 from specjax.models.kv_cache import KVCache
@@ -130,11 +131,14 @@ class MTPModule(nnx.Module):
         self.block = DecoderLayer(cfg.layer_config(), rngs=rngs, dtype=dtype)
         self.norm = RMSNorm(d, eps, dtype=dtype)
 
-    def __call__(self, emb, h_prev, cos, sin, k_cache, v_cache, starts):
-        """emb, h_prev `[B, T, D]` at positions starts + t -> h `[B, T, D]` and both caches."""
+    def __call__(self, emb, h_prev, cos, sin, k_cache, v_cache, starts, mask=None, write: bool = True):
+        """emb, h_prev `[B, T, D]` at positions starts + t -> h `[B, T, D]` and both caches (with
+        `write`; else the cache is only read and the new keys and values come back), the T
+        positions attending among themselves as `mask [B, T, T]` says (default causal)."""
         parts = [self.enorm(emb), self.hnorm(h_prev)]
         u = jnp.concatenate(parts[::-1] if self.cfg.hidden_first else parts, axis=-1)  # [B, T, 2D]
-        h, kc, vc = self.block(linear(self.proj[...], u), cos, sin, k_cache, v_cache, starts)  # h [B, T, D]
+        run = self.block if write else self.block.attend
+        h, kc, vc = run(linear(self.proj[...], u), cos, sin, k_cache, v_cache, starts, mask)  # h [B, T, D]
         return (self.norm(h) if self.cfg.norm_feedback else h), kc, vc
 
     def head_input(self, h: jax.Array) -> jax.Array:
@@ -161,6 +165,12 @@ class MTP(nnx.Module):
         ks, vs = list(cache.k), list(cache.v)
         ks[k - 1], vs[k - 1] = kc, vc
         return h, cache.replace(k=tuple(ks), v=tuple(vs))
+
+    def run_read_only(self, k: int, emb, h_prev, cache: KVCache, cos, sin, mask) -> jax.Array:
+        """`run` attending to cache layer k - 1 without writing it, the T positions among
+        themselves as `mask [B, T, T]` says (independent windows of a token tree)."""
+        return self.module_for(k)(emb.astype(self.dtype), h_prev.astype(self.dtype), cos, sin, cache.k[k - 1],
+                                  cache.v[k - 1], cache.lengths, mask, write=False)[0]
 
     def logits(self, k: int, h: jax.Array, head: jax.Array) -> jax.Array:
         """Module k's output `[..., D]` -> f32 target-vocab logits `[..., V]` (head `[V, D]`)."""
@@ -232,11 +242,9 @@ class MTPDrafter(Drafter):
         """`draft_vocab` (`d2t [N]`, optional): the target ids the modules may propose; the head
         is then restricted to those rows (for SmolLM2 the full head is ~87% of a module's cost)."""
         super().__init__(num_draft)
-        n, limit = weights.config.num_modules, weights.config.draft_limit
         source = f"MTP drafter {weights.source}".strip()
-        if not 1 <= num_draft <= limit:
-            raise DrafterError(f"{source} has {n} modules, so it drafts 1..{limit} tokens per step; "
-                               f"got --num-draft {num_draft}")
+        if num_draft < 1:
+            raise DrafterError(f"{source} drafts at least 1 token per step; got --num-draft {num_draft}")
         weights.config.check_target(target.config, source)
         self.weights, self.target = weights, target
         self.d2t = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
@@ -244,8 +252,21 @@ class MTPDrafter(Drafter):
     k_dependent_state = True  # one cache per draft depth, and the window W follows K
 
     @property
-    def window(self) -> int:  # W
-        return max(self.num_draft - 1, 1)
+    def window(self) -> int:  # W (K: the depth of a tree)
+        return max(self.accept_width - 1, 1)
+
+    def max_tree_nodes(self, topk: int, depth: int) -> int:
+        return tree_candidates(topk, depth)
+
+    def default_tree_depth(self) -> int:
+        return min(super().default_tree_depth(), self.weights.config.draft_limit)
+
+    def check_shape(self) -> None:
+        n, limit = self.weights.config.num_modules, self.weights.config.draft_limit
+        if self.accept_width > limit:
+            source = f"MTP drafter {self.weights.source}".strip()
+            got = (f"--tree-depth {self.tree_depth}" if self.tree_topk > 1 else f"--num-draft {self.num_draft}")
+            raise DrafterError(f"{source} has {n} modules, so it drafts 1..{limit} tokens per step; got {got}")
 
     def cache_key(self):
         return super().cache_key() + (id(self.weights), id(self.d2t))
@@ -259,7 +280,7 @@ class MTPDrafter(Drafter):
         return nnx.merge(self.weights.graphdef, dparams["net"])
 
     def init(self, dparams, ctx: InitContext) -> MTPState:
-        net, k_max = self._net(dparams), self.num_draft
+        net, k_max = self._net(dparams), self.accept_width
         b, t = ctx.prompt.shape
         m = ctx.prompt_len  # [B]
         c = jnp.maximum(m - self.window, 0)  # [B]
@@ -279,7 +300,7 @@ class MTPDrafter(Drafter):
         (sampling in `propose`; the true tokens in the consistency test); with a draft vocabulary
         the logits are `[B, N]` and `choose` returns target ids. Returns drafts `[B, K]`, the K
         logits and the cache with the window's scratch entries."""
-        net, k_max, w = self._net(dparams), self.num_draft, self.window
+        net, k_max, w = self._net(dparams), self.accept_width, self.window
         c, m = st.cache.lengths, st.m  # [B] each
         pos = c[:, None] + jnp.arange(w)[None]  # [B, W] window positions
         cos, sin = net.rope(pos)
@@ -297,6 +318,9 @@ class MTPDrafter(Drafter):
         return drafts, all_logits, cache
 
     def propose(self, dparams, st: MTPState, ctx: StepContext):
+        if self.tree_topk > 1:
+            tokens, parents, _, _ = self.draft_tree(dparams, st, ctx.history)
+            return Proposal(tokens, None, parents=parents), st
         qs = []  # [B, V] per draft, None when greedy
 
         def choose(k, logits):
@@ -309,8 +333,71 @@ class MTPDrafter(Drafter):
         q = None if ctx.all_greedy else jnp.stack(qs, axis=1)
         return Proposal(drafts, q), st.replace(cache=cache)  # [B, K], [B, K, V] | None
 
+    def draft_tree(self, dparams, st: MTPState, history: jax.Array):
+        """An EAGLE-2 dynamic tree of K nodes over D <= N levels, its candidates the modules'
+        top-k (q = None: the one-hot scheme). Level d runs module d at the read position m - 1, whose
+        window reads the path's drafts 1..d - 1: each of the k frontier nodes of level d - 1 gets its
+        own window (module d over W positions, h^{d-1} from the window its parent's module ran), all
+        k in one pass, each window causal and blind to the others; nothing is written to the caches
+        (commit reruns the modules over the accepted path, as for a chain). Returns `best_nodes`'
+        tokens (target ids), parents, depths and cumulative log-probabilities, `[B, K]` each."""
+        net, depth, w, k = self._net(dparams), self.tree_depth, self.window, self.tree_topk
+        c, m = st.cache.lengths, st.m  # [B] each
+        b = m.shape[0]
+        to_target = (lambda t: t) if dparams["d2t"] is None else (lambda t: jnp.take(dparams["d2t"], t))
+        pos = c[:, None] + jnp.arange(w)[None]  # [B, W] window positions
+        read = jnp.clip(m - 1 - c, 0, w - 1)  # [B] window index of m - 1
+
+        def log_probs(d, h):  # module d's windows [B, ..., W, D] -> log q at m - 1 [B, ..., N]
+            at = jnp.take_along_axis(h, read.reshape((b,) + (1,) * (h.ndim - 1)), axis=-2)[..., 0, :]
+            return jax.nn.log_softmax(net.logits(d, at, dparams["head"]), axis=-1)
+
+        cos, sin = net.rope(pos)
+        tok = gather_rows(history, pos + 1)  # [B, W]: committed (j + 1 <= m)
+        h1 = net.run_read_only(1, jnp.take(dparams["embed"], tok, axis=0), st.fin[:, :w], st.cache, cos, sin,
+                               None)  # [B, W, D]
+        c_score, c_tok = jax.lax.top_k(log_probs(1, h1), k)  # [B, k] level 1
+        c_par = jnp.full((b, k), -1, jnp.int32)
+        c_depth = jnp.zeros((b, k), jnp.int32)
+        c_src = jnp.zeros((b, k), jnp.int32)  # the window run each candidate was read from
+        c_path = jnp.zeros((b, k, depth), jnp.int32).at[:, :, 0].set(to_target(c_tok))  # [B, C, D] target ids
+        windows = h1[:, None]  # [B, 1 + runs, W, D]
+        t_pos = jnp.tile(pos, (1, k))  # [B, k W]: k windows side by side
+        cos, sin = net.rope(t_pos)
+        blocks = jnp.arange(k * w) // w
+        causal = (blocks[:, None] == blocks[None, :]) & (jnp.arange(k * w)[:, None] >= jnp.arange(k * w)[None, :])
+        mask = jnp.broadcast_to(causal, (b, k * w, k * w))
+        level_start = 0
+        for d in range(2, depth + 1):
+            level = jnp.arange(level_start, c_tok.shape[1])
+            _, pick = jax.lax.top_k(c_score[:, level], k)
+            front = level[pick]  # [B, k] frontier: the k best of level d - 1
+            f_path = jnp.take_along_axis(c_path, front[..., None], axis=1)  # [B, k, D]
+            h_prev = jnp.take_along_axis(windows, jnp.take_along_axis(c_src, front, axis=1)[..., None, None],
+                                         axis=1)  # [B, k, W, D]
+            p = pos + d  # [B, W] token positions module d reads: committed, or the path's drafts < d
+            drafted = jnp.take_along_axis(f_path, jnp.clip(p - m[:, None] - 1, 0, depth - 1)[:, None], axis=2)
+            tok = jnp.where((p <= m[:, None])[:, None], gather_rows(history, p)[:, None], drafted)  # [B, k, W]
+            emb = jnp.take(dparams["embed"], tok.reshape(b, k * w), axis=0)  # [B, k W, D]
+            h = net.run_read_only(d, emb, h_prev.reshape(b, k * w, -1), st.cache, cos, sin, mask)
+            h = h.reshape(b, k, w, -1)  # [B, k, W, D]
+            s, t = jax.lax.top_k(log_probs(d, h), k)  # [B, k, k]
+            front_score = jnp.take_along_axis(c_score, front, axis=1)  # [B, k]
+            level_start = c_tok.shape[1]
+            runs = windows.shape[1] + jnp.arange(k, dtype=jnp.int32)  # [k] these windows' indices
+            windows = jnp.concatenate([windows, h], axis=1)
+            paths = jnp.repeat(f_path, k, axis=1).at[:, :, d - 1].set(to_target(t.reshape(b, k * k)))
+            c_tok = jnp.concatenate([c_tok, t.reshape(b, k * k)], axis=1)
+            c_score = jnp.concatenate([c_score, (front_score[..., None] + s).reshape(b, k * k)], axis=1)
+            c_par = jnp.concatenate([c_par, jnp.repeat(front, k, axis=1)], axis=1)
+            c_depth = jnp.concatenate([c_depth, jnp.full((b, k * k), d - 1, jnp.int32)], axis=1)
+            c_src = jnp.concatenate([c_src, jnp.broadcast_to(jnp.repeat(runs, k), (b, k * k))], axis=1)
+            c_path = jnp.concatenate([c_path, paths], axis=1)
+        tokens, parents, depths, scores = best_nodes(c_tok, c_score, c_par, c_depth, self.num_draft)
+        return to_target(tokens).astype(jnp.int32), parents, depths, scores
+
     def commit(self, dparams, st: MTPState, ctx: CommitContext) -> MTPState:
-        net, k_max, w = self._net(dparams), self.num_draft, self.window
+        net, k_max, w = self._net(dparams), self.accept_width, self.window
         c, old_m, new_m = st.cache.lengths, st.m, ctx.hist_len - 1  # [B] each
         length = st.fin.shape[1]  # L = W + K + 1
         # verify-pass finals sit at old_m .. old_m + K, i.e. fin offsets old_m - c <= W

@@ -59,7 +59,12 @@ def linear(w: jax.Array, x: jax.Array, out_dtype=None) -> jax.Array:
     if 1 < rows <= FEW_ROWS_MAX and target_platform() == "cpu":
         m = 1 << (rows - 1).bit_length()  # pad M to a power of two: 6 rows cost more than 8
         xp = jnp.pad(x2, ((0, m - rows), (0, 0))).astype(jnp.float32)  # [M', I]
-        y = jnp.sum(w.astype(jnp.float32)[None] * xp[:, None, :], axis=-1)[:rows]  # [M', O, I] -> [M, O], fused
+        # one barrier over both operands keeps x's producer (a gather, a broadcast) out of the reduce's
+        # fusion, which would recompute it for each of the O output columns (40 ms, not 0.4, for a
+        # gather), and makes w's broadcast this call's own: two calls on one weight would otherwise
+        # share it, and XLA materialises a shared [M', O, I] (40 ms for a 4-row head in a token tree)
+        w32, xp = jax.lax.optimization_barrier((w.astype(jnp.float32), xp))  # [O, I], [M', I]
+        y = jnp.sum(w32[None] * xp[:, None, :], axis=-1)[:rows]  # [M', O, I] -> [M, O], fused
     else:
         acc = jnp.float32 if out == jnp.float32 else w.dtype  # a bf16 dot accumulates in f32 anyway
         y = jnp.einsum("OI,MI->OM", w, x2, preferred_element_type=acc).T  # [M, O]

@@ -99,6 +99,8 @@ class BatchConfig:
     dtype: str | None = None
     drafter: str | None = "none"
     num_draft: int = 0
+    tree_topk: int = 1  # > 1: token trees of num_draft nodes (specjax.generate's tree_topk / tree_depth)
+    tree_depth: int = 0
     spec_policy: str | int = "auto"  # specjax/policy/batch.py: auto | always | N (speculate up to N rows)
     sampling: Any = None  # default SamplingParams of rows
     batch_size: int | None = None  # None: from the latency class
@@ -405,14 +407,16 @@ def run_batch(cfg: BatchConfig) -> dict:
     sizes = scaleout.parse_mesh(cfg.mesh, len(jax.local_devices()))
 
     model = get_model(cfg.model, cfg.dtype)
-    drafter = get_drafter(cfg.drafter, cfg.num_draft, model)  # a bad drafter spec fails before any work
+    # a bad drafter spec or tree shape fails before any work
+    drafter = get_drafter(cfg.drafter, cfg.num_draft, model, cfg.tree_topk, cfg.tree_depth)
     mesh = scaleout.make_mesh(sizes)
     model = scaleout.place_model(model, mesh)
     sampled = any(isinstance(r, JobRow) and not r.sampling.greedy for r in mine)
     settings = job_settings(cfg, model, defaults, sampled)
     job_file = scaleout.job_path(out_path)
     check_job_settings(job_file, settings, out_path)
-    policy = BatchPolicy(cfg.spec_policy, drafter.num_draft, cfg.drafter or "none", policy_path(out_path))
+    policy = BatchPolicy(cfg.spec_policy, drafter.num_draft, drafter.tree_label(cfg.drafter or "none"),
+                         policy_path(out_path))
     # Rows already written are tokenized too: their lengths place them in their batch.
     checked = [tokenize(model, r, cfg.raw) if isinstance(r, JobRow) else r for r in mine]
     rows = [r for r in checked if isinstance(r, JobRow)]
@@ -523,7 +527,8 @@ def generate_batch(batch, size, model, cfg, mesh, spec: bool, costs) -> list[tup
     def gen(rows, n):
         ids, params = batch_inputs(rows, max(n, len(rows)))
         out = specjax.generate(ids, model=model, sampling=params, drafter=cfg.drafter if spec else "none",
-                               num_draft=cfg.num_draft if spec else 0, mesh=mesh,
+                               num_draft=cfg.num_draft if spec else 0, tree_topk=cfg.tree_topk if spec else 1,
+                               tree_depth=cfg.tree_depth, mesh=mesh,
                                spec_policy="always" if costs is None else "auto", spec_costs=costs)
         return out[: len(rows)]
 
