@@ -24,18 +24,22 @@ class ArgumentParser(argparse.ArgumentParser):
         raise SpecjaxError(f"{sub}: {message}" if sub else message)
 
 
-def add_tree_args(p) -> None:
-    p.add_argument("--tree-topk", type=int, default=1, help="k > 1: draft a token tree of --num-draft nodes "
-                   "(EAGLE-2 dynamic tree: the k best children of the best nodes per level; eagle3, draft; "
-                   "ngram: its k best matches' continuations), verified in one pass; 1 (default): a chain")
-    p.add_argument("--tree-depth", type=int, default=0, help="levels of the tree, the most drafts one step "
-                   "accepts (default: min(--num-draft, 5))")
+def add_tree_args(p, serving: bool = False) -> None:
+    """`--tree-topk`, `--tree-depth`; `serving`: defaults from the serving config, and
+    `--ks` counts a tree's nodes."""
+    p.add_argument("--tree-topk", type=int, default=None if serving else 1, help="k > 1: draft a token tree of "
+                   "--num-draft nodes (--ks under serve) (EAGLE-2 dynamic tree: the k best children of the best "
+                   "nodes per level; eagle3, draft, mtp; ngram: its k best matches' continuations), verified in "
+                   "one pass; 1 (default): a chain")
+    p.add_argument("--tree-depth", type=int, default=None if serving else 0, help="levels of the tree, the "
+                   "most drafts one step accepts (default: min(--num-draft, 5))")
 
 
 def check_draft_args(a) -> None:
     """`--num-draft`, `--tree-topk`, `--tree-depth` in range (one line each), before the model loads."""
-    if a.num_draft < 0:
-        raise InvalidSamplingError(f"--num-draft must be >= 0, got {a.num_draft}")
+    from specjax.policy.batch import parse_num_draft
+
+    parse_num_draft(a.num_draft)  # K >= 0, auto or auto:N1,N2,...
     if a.tree_topk < 1 or a.tree_depth < 0:
         raise InvalidSamplingError(f"--tree-topk must be >= 1 and --tree-depth >= 0, got {a.tree_topk}, {a.tree_depth}")
 
@@ -262,7 +266,7 @@ def _serving_config(a):
     cfg = load_config(
         a.config, policy=a.policy, buckets=ints(a.buckets, "--buckets") if a.buckets else None,
         ks=ints(a.ks, "--ks") if a.ks else None, chunk_steps=a.chunk_steps, max_seq_len=a.max_seq_len,
-        default_class=a.default_class, step_costs=a.step_costs,
+        default_class=a.default_class, step_costs=a.step_costs, tree_topk=a.tree_topk, tree_depth=a.tree_depth,
     )
     cfg.api_keys.update(keys)
     return cfg.validate()
@@ -344,6 +348,7 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-costs", default=None, help="JSON of seconds per step by bucket and K (skips timing)")
     p.add_argument("--compile-cache", default=None, help="XLA compilation cache dir (default: "
                    "$SPECJAX_CACHE/xla; 'none' disables)")
+    add_tree_args(p, serving=True)
 
 
 def ints(text: str, flag: str) -> list[int]:
@@ -364,8 +369,10 @@ def build_parser() -> ArgumentParser:
     add_model_args(g)
     add_sampling_args(g)
     g.add_argument("--drafter", default="none", help=drafter_specs(" | "))
-    g.add_argument("--num-draft", type=int, default=0, help="K, draft tokens per step, at most 64 (default 0: the "
-                   "drafter's own, ngram 15, draft and eagle3 5, mtp its module count)")
+    g.add_argument("--num-draft", default="0", help="K, draft tokens per step (tree nodes with --tree-topk), at "
+                   "most 64 (default 0: the drafter's own, ngram 15, draft and eagle3 5, mtp its module count); auto "
+                   "or auto:N1,N2,...: the fastest of these K measured on the prompts (default candidates 1,3,5, "
+                   "trees 4,8,16,32)")
     g.add_argument("--spec-policy", choices=("auto", "always"), default="auto", help="auto (default): each "
                    "prompt verifies drafts only while its measured acceptance pays for a verify step on this "
                    "machine, else takes plain steps and probes again later; always: verify every proposal")
@@ -429,7 +436,9 @@ def build_parser() -> ArgumentParser:
     add_model_args(j)
     add_sampling_args(j, job_seed=True)
     j.add_argument("--drafter", default="none", help=drafter_specs(" | "))
-    j.add_argument("--num-draft", type=int, default=0, help="K, draft tokens per step")
+    j.add_argument("--num-draft", default="0", help="K, draft tokens per step (tree nodes with --tree-topk); "
+                   "auto or auto:N1,N2,...: per batch size, the fastest of these K measured on its first batch "
+                   "(--spec-policy auto; default candidates 1,3,5, trees 4,8,16,32)")
     add_tree_args(j)
     j.add_argument("--spec-policy", default="auto", help="auto: each row verifies only while its acceptance pays "
                    "for a verify step at the step costs measured on each batch shape's first batch (kept in "

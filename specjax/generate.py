@@ -11,7 +11,8 @@ from specjax.drafters import Drafter, make_drafter
 from specjax.engine import Engine
 from specjax.errors import InvalidPromptError, InvalidSamplingError
 from specjax.models.loading import Model, load_model
-from specjax.policy.costs import measure_costs
+from specjax.policy.batch import draft_variants
+from specjax.policy.costs import cost_key, measure_costs, measure_gains
 from specjax.policy.rows import AUTO
 from specjax.sampling import SamplingParams
 from specjax.stats import AcceptanceStats
@@ -21,6 +22,7 @@ Prompt = str | Sequence[dict] | Sequence[int]
 _MODELS: dict[tuple, Model] = {}
 _ENGINES: dict[tuple, tuple[Model, Engine]] = {}
 _DRAFTERS: dict[tuple, tuple[Model, Drafter]] = {}
+_AUTO_K: dict[str, int] = {}  # `num_draft="auto"`'s choice per model, drafter, candidates, batch bucket
 
 
 @dataclasses.dataclass
@@ -158,7 +160,7 @@ def generate(
     sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     max_new_tokens: int | None = None,
     drafter: str | None = None,
-    num_draft: int = 0,
+    num_draft: int | str = 0,
     raw: bool = False,
     dtype: str | None = None,
     mesh=None,
@@ -202,8 +204,16 @@ def generate(
     ids = [encode_prompt(m, p, raw) for p in prompts]
     for x, p in zip(ids, params):
         check_fits(m, len(x), p.max_new_tokens)
-    d = get_drafter(drafter, num_draft, m, tree_topk, tree_depth)
+    variants = draft_variants(drafter, num_draft, m, tree_topk, tree_depth)
     engine = get_engine(m, mesh)
+    d = variants[max(variants)]
+    if len(variants) > 1:
+        key = f"{cost_key(m, d, drafter_label(drafter, d), len(ids))}|{num_draft}"
+        if key not in _AUTO_K:
+            gains = measure_gains(engine, ids, params, m.config.eos_token_ids, variants,
+                                  {k: drafter_label(drafter, v) for k, v in variants.items()})
+            _AUTO_K[key] = max(gains, key=lambda k: (gains[k][1], -k))  # ties: the smaller K
+        d = variants[_AUTO_K[key]]
     if spec_policy == "auto" and d.num_draft > 0:
         costs = spec_costs
         if costs is None:

@@ -461,36 +461,55 @@ def test_batch_policy_state_file(tmp_path):
     drafter or K ignores it; a failed measurement records nothing; a corrupt file is a one-line
     error; bad settings are one-line errors."""
     from specjax.errors import SpecjaxError
-    from specjax.policy.batch import BatchPolicy, parse_policy
+    from specjax.policy.batch import BatchPolicy, parse_num_draft, parse_policy
     path = str(tmp_path / "out.jsonl.policy.json")
     calls = []
 
-    def measure(table, gain):
+    def measure(table, gain, k=3):
         calls.append(1)
-        return table, gain
+        return {k: (table, gain)}
 
-    p = BatchPolicy("auto", 3, "ngram", path)
-    assert p.plan(4, False, lambda: None) == (True, None) and not os.path.exists(path)
+    p = BatchPolicy("auto", (3,), "ngram", path)
+    assert p.plan(4, False, lambda: None) == (True, None, 3) and not os.path.exists(path)
     cheap, dear = [1.0, 1.2, 1.4, 1.6], [1.0, 1.6, 2.2, 2.8]
-    assert p.plan(4, True, lambda: measure(cheap, 1.3)) == (True, cheap) and os.path.exists(path)
-    assert p.plan(4, True, lambda: measure(cheap, 0.5)) == (True, cheap) and len(calls) == 1
-    assert p.plan(8, True, lambda: measure(dear, 1.02)) == (False, None) and len(calls) == 2
+    assert p.plan(4, True, lambda: measure(cheap, 1.3)) == (True, cheap, 3) and os.path.exists(path)
+    assert p.plan(4, True, lambda: measure(cheap, 0.5)) == (True, cheap, 3) and len(calls) == 1
+    assert p.plan(8, True, lambda: measure(dear, 1.02)) == (False, None, 3) and len(calls) == 2
     p.record(4, True, steps=100, verified_steps=25)
-    assert p.summary()["4/greedy"] == {"batches": 1, "verify_cost": 1.6, "gain": 1.3, "speculates": True,
-                                       "verified_share": 0.25}
+    assert p.summary()["4/greedy"] == {"batches": 1, "num_draft": 3, "verify_cost": 1.6, "gain": 1.3,
+                                       "gains": {"3": 1.3}, "speculates": True, "verified_share": 0.25}
     assert "1.60 plain steps" in p.describe(4, True) and "plain decoding" in p.describe(8, True)
-    again = BatchPolicy("auto", 3, "ngram", path)
-    assert again.plan(4, True, lambda: measure(dear, 0.1)) == (True, cheap) and len(calls) == 2
-    assert again.plan(8, True, lambda: measure(cheap, 2.0)) == (False, None) and len(calls) == 2
-    assert BatchPolicy("auto", 5, "ngram", path).classes == {}
-    assert BatchPolicy("auto", 3, "eagle3", path).classes == {}
-    assert BatchPolicy("always", 3, "ngram", path).plan(4, True, lambda: measure(cheap, 1.3)) == (True, None)
-    assert BatchPolicy(2, 3, "ngram", None).plan(4, True, None) == (False, None)
-    assert BatchPolicy(4, 3, "ngram", None).plan(4, True, None) == (True, None)
+    again = BatchPolicy("auto", (3,), "ngram", path)
+    assert again.plan(4, True, lambda: measure(dear, 0.1)) == (True, cheap, 3) and len(calls) == 2
+    assert again.plan(8, True, lambda: measure(cheap, 2.0)) == (False, None, 3) and len(calls) == 2
+    assert BatchPolicy("auto", (5,), "ngram", path).classes == {}
+    assert BatchPolicy("auto", (3,), "eagle3", path).classes == {}
+    assert BatchPolicy("always", (3,), "ngram", path).plan(4, True, lambda: measure(cheap, 1.3)) == (True, None, 3)
+    assert BatchPolicy(2, (3,), "ngram", None).plan(4, True, None) == (False, None, 0)
+    assert BatchPolicy(4, (3,), "ngram", None).plan(4, True, None) == (True, None, 3)
+    # --num-draft auto: every candidate measured once per class, the fastest kept (per batch size)
+    auto = str(tmp_path / "auto.policy.json")
+    tables = {4: [1.0, 1.1, 1.2, 1.3], 8: [1.0, 1.2, 1.4, 1.6, 1.8], 16: [1.0, 1.5, 2.0, 2.5, 3.0, 3.5]}
+    p = BatchPolicy("auto", (4, 8, 16), "eagle3/tree4x5", auto, "auto")
+    small = {4: (tables[4], 1.10), 8: (tables[8], 1.25), 16: (tables[16], 1.20)}
+    large = {4: (tables[4], 1.02), 8: (tables[8], 0.90), 16: (tables[16], 0.60)}
+    assert p.plan(1, True, lambda: small) == (True, tables[8], 8)
+    assert p.plan(16, True, lambda: large) == (False, None, 4)
+    assert "K=8" in p.describe(1, True) and "16: 1.20x" in p.describe(1, True)
+    reread = BatchPolicy("auto", (4, 8, 16), "eagle3/tree4x5", auto, "auto")
+    assert reread.plan(1, True, lambda: large) == (True, tables[8], 8)
+    assert BatchPolicy("auto", (4, 8), "eagle3/tree4x5", auto, "auto:4,8").classes == {}
+    with pytest.raises(SpecjaxError, match="needs --spec-policy auto"):
+        BatchPolicy("always", (4, 8), "eagle3/tree4x5", None, "auto")
+    assert parse_num_draft("auto") == ((), False) and parse_num_draft("auto:16,4") == ((4, 16), True)
+    assert parse_num_draft(" 7 ") == 7
+    for bad in ("-1", "auto:", "auto:0,4", "many"):
+        with pytest.raises(SpecjaxError, match="--num-draft"):
+            parse_num_draft(bad)
     with open(path, "w") as fh:
         fh.write("{not json")
     with pytest.raises(SpecjaxError, match="unreadable speculation state"):
-        BatchPolicy("auto", 3, "ngram", path)
+        BatchPolicy("auto", (3,), "ngram", path)
     for bad in ("fast", "-1", "1.5", "off"):
         with pytest.raises(SpecjaxError, match="--spec-policy"):
             parse_policy(bad)
@@ -507,4 +526,26 @@ def test_tree_drafting_batch_job_equals_plain(batch_model, greedy_input, referen
                      spec_policy="always"))
     rows = read_rows(out)
     assert rows and all((r["stats"]["num_draft"], r["stats"]["tree"]) == (6, "3x3") for r in rows)
+    assert_same(rows, reference, [r["id"] for r in rows])
+
+
+def test_auto_tree_size_batch_job_equals_plain(batch_model, greedy_input, reference, tmp_path):
+    """`specjax batch --num-draft auto:2,6 --tree-topk 3`: the class's first batch times both tree
+    sizes on its own rows and keeps the faster; the choice is in the policy file and the summary,
+    every row ran at it, and greedy rows equal plain decoding."""
+    from specjax.serving.batch import run_batch
+
+    out = tmp_path / "res.jsonl"
+    summary = run_batch(config(batch_model, greedy_input, out, drafter="ngram", num_draft="auto:2,6", tree_topk=3,
+                               tree_depth=2))
+    classes = summary["speculation"]
+    assert classes
+    for entry in classes.values():
+        assert entry["num_draft"] in (2, 6) and set(entry["gains"]) == {"2", "6"}
+        assert entry["gain"] == max(entry["gains"].values())
+    with open(str(out) + ".policy.json") as fh:
+        assert json.load(fh)["num_draft"] == "auto:2,6"
+    rows = read_rows(out)
+    chosen = {e["num_draft"] for e in classes.values()}
+    assert all(r["stats"]["num_draft"] in chosen | {0} for r in rows)
     assert_same(rows, reference, [r["id"] for r in rows])

@@ -179,6 +179,33 @@ def test_eagle3_state_survives_plain_chunks():
     np.testing.assert_allclose(a.cache.v[0][:, :m], b.cache.v[0][:, :m], atol=2e-4)
 
 
+def test_tree_serving_is_token_identical_across_tree_sizes(target, prompts):
+    """Trees served: K counts a tree's nodes, each K its own compiled variant (the tree's depth
+    clamped to K), random K per chunk over mixed-length rows and resizes: every greedy row equals
+    plain decoding, and (self-drafting) every first draft is accepted: the top-1 child is always
+    in the tree and is the target's argmax, so the draft model's cache stayed in sync; deeper
+    nodes may be siblings off the top-1 path."""
+    drafter = DraftModelDrafter(6, target, target.config).with_tree(2, 3)
+    e = SlotEngine(target, drafter, ks=(0, 2, 6), buckets=BUCKETS, max_seq_len=MAX_SEQ)
+    assert e.accept_widths == {0: 0, 2: 2, 6: 3} and e.stat_width == 3
+    assert e.variants[0].tree_topk == 1 and e.variants[2].tree_topk == 2
+    e.warmup(measure=False)
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    ref = [r.token_ids for r in Engine(target).generate(prompts[:5], [sp] * 5)]
+    rng = np.random.RandomState(2)
+    costs = {b: {0: 1.0, 2: 1.1, 6: 1.2} for b in BUCKETS}
+    sched = Scheduler(e, config(chunk_steps=1, ks=(0, 2, 6), step_costs=costs),
+                      k_override=lambda b, rows: int(rng.choice((0, 2, 6))))
+    reqs = [sched.submit(Request(p, sp, "batch")) for p in prompts[:5]]
+    drain(sched, reqs)
+    for r, want in zip(reqs, ref):
+        assert r.token_ids == want
+        acc, chk = r.sample.accepted, r.sample.checked
+        assert acc[0] == chk[0] > 0 and (acc <= chk).all()
+    assert sum(r.sample.accepted[1] for r in reqs) > 0 and sum(r.sample.checked[2] for r in reqs) > 0
+    assert e.compiles_after_warmup == 0
+
+
 def test_cancel_frees_the_row(engine, prompts):
     sched = Scheduler(engine, config())
     long = sched.submit(Request(prompts[0], SamplingParams(max_new_tokens=40, ignore_eos=True), "batch"))
@@ -452,6 +479,25 @@ def test_policy_ladder_is_monotone_and_smooth():
     assert set(ks) == {0, 1, 2, 3, 4}  # every rung used on the way down
 
 
+def test_policy_prices_a_tree_over_its_depth_and_shrinks_it_with_load():
+    """With trees K is a node count and MAL is priced over the tree's depth (widths): a 16-node
+    tree of depth 5 is worth what 5 chain positions are, not 16; as the verify cost grows with
+    the batch the choice steps 16 -> 8 -> 4 -> 0."""
+    est = {"batch": Estimate(1.0, [0.7] * 5, 100), "interactive": Estimate(1.0, [0.7] * 5, 100)}
+    on = {"batch": True, "interactive": True}
+    ks, widths = (0, 4, 8, 16), {0: 0, 4: 3, 8: 4, 16: 5}
+    cfg = ServingConfig(ks=ks, buckets=(1,), margin=0.0, tree_topk=4).validate()
+    picks = []
+    for s in np.linspace(0.0, 0.6, 241):  # cost of one verified node relative to a plain step
+        costs = {1: {k: 1.0 + s * k for k in ks}}
+        pol = Policy(cfg, StepCosts(costs, "test"), ks, widths)
+        d = pol.choose(1, {"batch": 1, "interactive": 0}, 0, est, on, (), 16)
+        assert d.value == pytest.approx(est["batch"].mal(widths[d.k]) / costs[1][d.k])
+        picks.append(d.k)
+    assert picks[0] == 16 and picks[-1] == 0 and picks == sorted(picks, reverse=True)
+    assert set(picks) == set(ks)
+
+
 def test_policy_hysteresis_and_fallback_inputs():
     costs = {1: {0: 1.0, 1: 1.1, 2: 1.4, 3: 1.7, 4: 2.0}}
     pol = _policy(costs, margin=0.05)
@@ -556,5 +602,7 @@ def test_policy_yaml_example_loads(tmp_path):
     with pytest.raises(SpecjaxError, match="schedule uses K=3"):
         load_config(None, ks=[0, 2], policy="schedule", schedule=[{"max_batch": 4, "k": 3}])
     assert cfg.monitor.probe_gain >= cfg.monitor.on_above
+    with pytest.raises(SpecjaxError, match="tree_topk >= 1"):
+        load_config(None, tree_topk=0)
     with pytest.raises(SpecjaxError, match="probe_gain >= on_above"):
         ServingConfig(monitor=MonitorConfig(on_above=1.2, probe_gain=1.1)).validate()

@@ -71,6 +71,23 @@ def test_tree_under_the_speculation_policy_is_token_identical(real):
     assert 0 < sum(r.checked[0] for r in rows) < sum(r.steps for r in rows)
 
 
+def test_auto_tree_size_is_measured_once_and_lossless(real):
+    """`specjax.generate(num_draft="auto:4,8", tree_topk=2)`: both tree sizes are timed on the
+    prompts, the faster is kept for this batch bucket (not measured again), and the output is
+    token-identical to plain decoding."""
+    import specjax
+    from specjax.generate import _AUTO_K
+
+    model, engine, ids, params, plain = real
+    kw = dict(model=model, sampling=params, drafter="eagle3@0", num_draft="auto:4,8", tree_topk=2)
+    out = specjax.generate(ids, **kw)
+    assert [r.token_ids for r in out] == [p.token_ids for p in plain]
+    (key, k), = [(key, k) for key, k in _AUTO_K.items() if key.endswith("|auto:4,8")]
+    assert k in (4, 8) and all(r.stats.num_draft == k and r.stats.tree == f"2x{min(k, 5)}" for r in out)
+    _AUTO_K[key] = 12 - k  # a recorded choice is reused, never remeasured
+    assert {r.stats.num_draft for r in specjax.generate(ids, **kw)} == {12 - k}
+
+
 def test_tree_shapes_a_drafter_cannot_draft_are_refused(default_model):
     eagle = make_drafter("eagle3", 8, default_model)
     assert eagle.with_tree(1, 3) is eagle  # k = 1: the chain

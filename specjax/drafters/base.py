@@ -157,9 +157,14 @@ class Drafter:
 
     def with_num_draft(self, k: int) -> "Drafter":
         """This drafter drafting `k` tokens per step: a new object (the same weights), never a
-        changed one; everything derived from K is derived on use."""
+        changed one; everything derived from K is derived on use. A tree keeps its k and at most
+        its depth (a tree of fewer nodes than levels is that many levels deep); K = 0 drafts nothing
+        and is no tree."""
         d = copy.copy(self)
         d.num_draft = int(k)
+        if self.tree_topk > 1:
+            d.tree_depth = min(self.tree_depth, d.num_draft)
+            d.tree_topk = self.tree_topk if d.num_draft else 1
         return d
 
     def label(self, spec: str | None) -> str:

@@ -40,6 +40,13 @@ does not flap between neighbours.
 Other policies: `always` (K_max, the bench's "speculation always on"), `never` (K = 0) and
 `schedule` (K from a user table by running rows, `configs/serving-policy.yaml`); the monitor's
 fallback applies to `rules` and `schedule`.
+
+Token trees (`tree_topk` > 1 in the serving config): K is then a tree's node count, the verify
+pass checks K nodes, and a step accepts at most the tree's depth, so MAL_c(K) is priced over
+`widths[K]` positions with the class's acceptance per depth: as the batch grows the policy
+steps down to smaller trees, then to none, as it does with chains. The per-depth rates are
+measured on whichever trees ran, so a smaller tree is priced with a larger one's acceptance
+(somewhat optimistic for it); the live calibration keeps the costs honest, not the MAL.
 """
 
 from __future__ import annotations
@@ -62,17 +69,24 @@ class Decision:
 class Policy:
     """Chooses K for the next chunk (see the module docstring)."""
 
-    def __init__(self, cfg: ServingConfig, costs: StepCosts, ks: tuple[int, ...]):
+    def __init__(self, cfg: ServingConfig, costs: StepCosts, ks: tuple[int, ...],
+                 widths: dict[int, int] | None = None):
+        """`widths[K]`: the most drafts a step at K accepts (K for chains, a tree's depth)."""
         self.cfg = cfg
         self.costs = costs
         self.ks = tuple(sorted(ks))
         self.kmax = self.ks[-1]
+        self.widths = {k: (widths or {}).get(k, k) for k in self.ks}
+
+    def mal(self, est: Estimate, k: int) -> float:
+        """Expected tokens per row-step at K (a tree: over its depth)."""
+        return est.mal(self.widths.get(k, k))
 
     def gain(self, est: Estimate, b: int, k: int) -> float:
         """Expected speed of K relative to plain decoding for rows with this estimate."""
         if k == 0:
             return 1.0
-        return est.mal(k) * self.costs.cost(b, 0) / self.costs.effective(b, k, est.verified)
+        return self.mal(est, k) * self.costs.cost(b, 0) / self.costs.effective(b, k, est.verified)
 
     def best_gain(self, est: Estimate, b: int) -> tuple[float, int]:
         """(the best expected gain over K > 0, its K); (1.0, 0) when no K > 0 is allowed."""
@@ -110,7 +124,7 @@ class Policy:
         f = sum(rows[c] * estimates[c].verified for c in present) / sum(rows[c] for c in present)
 
         def value(k):
-            toks = sum(weight[c] * rows[c] * (estimates[c].mal(k) if spec_on.get(c, True) or k == 0 else 1.0)
+            toks = sum(weight[c] * rows[c] * (self.mal(estimates[c], k) if spec_on.get(c, True) or k == 0 else 1.0)
                        for c in present)
             return toks / self.costs.effective(b, k, f)
 
@@ -120,7 +134,7 @@ class Policy:
         k = current_k if keep else best
         gain = values[k] / values[0]
         off = [c for c in present if not spec_on.get(c, True)]
-        mals = ", ".join(f"MAL_{c}({k})={estimates[c].mal(k):.2f}" for c in present)
+        mals = ", ".join(f"MAL_{c}({k})={self.mal(estimates[c], k):.2f}" for c in present)
         why = (f"B={b} ({', '.join(f'{rows[c]} {c}' for c in present)}), queue {queued}: K={k} expected "
                f"{gain:.2f}x plain ({mals}; cost K/0 = {self.costs.effective(b, k, f) / self.costs.cost(b, 0):.2f}"
                f", f={f:.2f})")

@@ -75,6 +75,24 @@ def measure_costs(engine, prompt_ids, params, eos_ids, drafter, label: str) -> n
     return cost_table(k, _COSTS[key])
 
 
+def measure_gains(engine, prompt_ids, params, eos_ids, drafters: dict, labels: dict, rows: int | None = None) -> dict:
+    """K -> (cost table, gain) for each candidate K -> drafter on these prompts: the cost table
+    as `measure_costs` gives it and the gain, tokens per decode second of the drafter as it
+    drafts (its own gates included) over plain decoding's (`PROBE_TOKENS` tokens a row, each run
+    once untimed first). `labels`: K -> the drafter's label (the cost cache's key); `rows`: count
+    the tokens of the first this many rows only (the rest pad the batch)."""
+    from specjax.drafters.base import NoDrafter
+
+    def rate(d):  # ALWAYS: the compiled loop measure_costs timed
+        out = [engine.generate(prompt_ids, params, eos_ids=eos_ids, drafter=d, max_new_cap=PROBE_TOKENS,
+                               spec_mode=ALWAYS) for _ in range(2)][-1]
+        return sum(len(r.token_ids) - 1 for r in out[:rows]) / max(out[0].decode_seconds, 1e-9)
+
+    plain = rate(NoDrafter())
+    return {k: (measure_costs(engine, prompt_ids, params, eos_ids, d, labels[k]).tolist(), rate(d) / plain)
+            for k, d in drafters.items()}
+
+
 class StepCosts:
     """Seconds per step by batch bucket and K (verify steps for K > 0, plain steps for K = 0),
     from a table (warm-up or config), scaled by live calibration (`observe`)."""

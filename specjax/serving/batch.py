@@ -98,7 +98,7 @@ class BatchConfig:
     model: Any = None  # a Model, a path, or None (the default model)
     dtype: str | None = None
     drafter: str | None = "none"
-    num_draft: int = 0
+    num_draft: int | str = 0  # K, or `auto` / `auto:N1,N2`: per batch class, the fastest measured (policy/batch.py)
     tree_topk: int = 1  # > 1: token trees of num_draft nodes (specjax.generate's tree_topk / tree_depth)
     tree_depth: int = 0
     spec_policy: str | int = "auto"  # specjax/policy/batch.py: auto | always | N (speculate up to N rows)
@@ -385,7 +385,8 @@ def run_batch(cfg: BatchConfig) -> dict:
     """Run (or resume) this process's share of a job; returns the summary (also printed)."""
     import jax
 
-    from specjax.generate import get_drafter, get_model
+    from specjax.generate import get_model
+    from specjax.policy.batch import draft_variants
     from specjax.sampling import SamplingParams
 
     # Validate everything, then write (batch_files.py): nothing below writes a file before the
@@ -408,15 +409,16 @@ def run_batch(cfg: BatchConfig) -> dict:
 
     model = get_model(cfg.model, cfg.dtype)
     # a bad drafter spec or tree shape fails before any work
-    drafter = get_drafter(cfg.drafter, cfg.num_draft, model, cfg.tree_topk, cfg.tree_depth)
+    drafters = draft_variants(cfg.drafter, cfg.num_draft, model, cfg.tree_topk, cfg.tree_depth)
+    drafter = drafters[max(drafters)]
     mesh = scaleout.make_mesh(sizes)
     model = scaleout.place_model(model, mesh)
     sampled = any(isinstance(r, JobRow) and not r.sampling.greedy for r in mine)
     settings = job_settings(cfg, model, defaults, sampled)
     job_file = scaleout.job_path(out_path)
     check_job_settings(job_file, settings, out_path)
-    policy = BatchPolicy(cfg.spec_policy, drafter.num_draft, drafter.tree_label(cfg.drafter or "none"),
-                         policy_path(out_path))
+    policy = BatchPolicy(cfg.spec_policy, tuple(drafters), drafter.tree_label(cfg.drafter or "none"),
+                         policy_path(out_path), str(cfg.num_draft) if len(drafters) > 1 else None)
     # Rows already written are tokenized too: their lengths place them in their batch.
     checked = [tokenize(model, r, cfg.raw) if isinstance(r, JobRow) else r for r in mine]
     rows = [r for r in checked if isinstance(r, JobRow)]
@@ -442,11 +444,11 @@ def run_batch(cfg: BatchConfig) -> dict:
             # result an uninterrupted run gives it (with the cost table it ran with,
             # specjax/policy/batch.py); only the missing rows are written.
             greedy = batch[0].sampling.greedy
-            spec, costs = policy.plan(size, greedy, lambda: measure_class(batch, size, model, mesh, drafter, cfg))
+            spec, costs, k = policy.plan(size, greedy, lambda: measure_class(batch, size, model, mesh, drafters, cfg))
             if (size, greedy) not in told:
                 log(policy.describe(size, greedy))
                 told.add((size, greedy))
-            ran = generate_batch(batch, size, model, cfg, mesh, spec, costs)
+            ran = generate_batch(batch, size, model, cfg, mesh, spec, costs, k)
             done = [res for _, res in ran if not isinstance(res, SpecjaxError)]
             policy.record(size, greedy, sum(r.stats.steps for r in done), sum(r.stats.verified_steps for r in done))
             meter.add_batch([res for _, res in ran])
@@ -483,29 +485,22 @@ def run_batch(cfg: BatchConfig) -> dict:
     return summary
 
 
-def measure_class(batch, size, model, mesh, drafter, cfg) -> tuple[list[float], float] | None:
-    """What `--spec-policy auto` decides a batch class with: the cost table (the decode loop timed
-    on this batch's own rows and shapes, specjax/policy/costs.py; cached per model, drafter and
-    bucket) and the gain: tokens per decode second of the drafter as it drafts over plain
-    decoding's, on these rows (`PROBE_TOKENS` tokens each; each run once untimed first). None when
-    the batch cannot run whole (a bad row, out of device memory): the batch then runs as
-    `generate_batch` splits it, verifying every step, and the class's next batch measures."""
-    from specjax.drafters import NoDrafter
+def measure_class(batch, size, model, mesh, drafters: dict, cfg) -> dict | None:
+    """What `--spec-policy auto` decides a batch class with, for each candidate K -> drafter:
+    the cost table (the decode loop timed on this batch's own rows and shapes,
+    specjax/policy/costs.py; cached per model, drafter and bucket) and the gain: tokens per decode
+    second of the drafter as it drafts over plain decoding's, on these rows (`PROBE_TOKENS`
+    tokens each; each run once untimed first). None when the batch cannot run whole (a bad row,
+    out of device memory): the batch then runs as `generate_batch` splits it, verifying every
+    step, and the class's next batch measures."""
     from specjax.generate import drafter_label, get_engine
-    from specjax.policy.costs import PROBE_TOKENS, measure_costs
-    from specjax.policy.rows import ALWAYS
+    from specjax.policy.costs import measure_gains
 
     ids, params = batch_inputs(batch, size)
     engine = get_engine(model, mesh)
     try:
-        table = measure_costs(engine, ids, params, model.config.eos_token_ids, drafter,
-                              drafter_label(cfg.drafter, drafter)).tolist()
-        def rate(d):  # ALWAYS: the compiled loop measure_costs timed (and the batch's rows run)
-            rows = [engine.generate(ids, params, eos_ids=model.config.eos_token_ids, drafter=d,
-                                    max_new_cap=PROBE_TOKENS, spec_mode=ALWAYS)[: len(batch)] for _ in range(2)][-1]
-            return sum(len(r.token_ids) - 1 for r in rows) / max(rows[0].decode_seconds, 1e-9)
-
-        return table, rate(drafter) / rate(NoDrafter())
+        return measure_gains(engine, ids, params, model.config.eos_token_ids, drafters,
+                             {k: drafter_label(cfg.drafter, d) for k, d in drafters.items()}, rows=len(batch))
     except SpecjaxError:
         return None
     except Exception as e:
@@ -514,8 +509,8 @@ def measure_class(batch, size, model, mesh, drafter, cfg) -> tuple[list[float], 
         return None
 
 
-def generate_batch(batch, size, model, cfg, mesh, spec: bool, costs) -> list[tuple[JobRow, Any]]:
-    """(row, GenerationResult) for each row, with the drafter if `spec` (deciding per row with
+def generate_batch(batch, size, model, cfg, mesh, spec: bool, costs, num_draft: int) -> list[tuple[JobRow, Any]]:
+    """(row, GenerationResult) for each row, with the drafter at K = `num_draft` if `spec` (deciding per row with
     the cost table `costs`, or verifying every step when None). When the batch fails on bad input, its rows run one
     by one and those that fail alone get their SpecjaxError instead of a result. When it runs out
     of device memory, it runs as two halves (recursively, each padded to its own power of two), so
@@ -527,7 +522,7 @@ def generate_batch(batch, size, model, cfg, mesh, spec: bool, costs) -> list[tup
     def gen(rows, n):
         ids, params = batch_inputs(rows, max(n, len(rows)))
         out = specjax.generate(ids, model=model, sampling=params, drafter=cfg.drafter if spec else "none",
-                               num_draft=cfg.num_draft if spec else 0, tree_topk=cfg.tree_topk if spec else 1,
+                               num_draft=num_draft if spec else 0, tree_topk=cfg.tree_topk if spec else 1,
                                tree_depth=cfg.tree_depth, mesh=mesh,
                                spec_policy="always" if costs is None else "auto", spec_costs=costs)
         return out[: len(rows)]

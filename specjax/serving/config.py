@@ -39,6 +39,10 @@ class ServingConfig:
     # model there); on an accelerator use larger buckets and a longer K ladder.
     buckets: tuple[int, ...] = (1, 2, 4)  # running-batch sizes (static shapes)
     ks: tuple[int, ...] = (0, 1, 2, 3)  # K values the policy may choose (all compiled at warm-up)
+    # token trees: tree_topk > 1 makes every K > 0 a dynamic tree of K nodes over at most
+    # tree_depth levels (0: min(K, 5)), priced by the policy over its depth (specjax/policy/chunks.py)
+    tree_topk: int = 1
+    tree_depth: int = 0
     chunk_steps: int = 8  # steps per compiled chunk between scheduling decisions
     max_seq_len: int = 1024  # prompt + max_tokens per request (the KV cache size follows)
     policy: str = "rules"  # rules | always (K max) | never (K = 0) | schedule (K by running batch)
@@ -68,6 +72,8 @@ class ServingConfig:
             bad(f"buckets must be integers >= 1, got {self.buckets}")
         if not self.ks or min(self.ks) < 0:
             bad(f"ks must be integers >= 0, got {self.ks}")
+        if self.tree_topk < 1 or self.tree_depth < 0:
+            bad(f"need tree_topk >= 1 and tree_depth >= 0, got {self.tree_topk}, {self.tree_depth}")
         if self.cost_refresh_chunks < 0 or self.confidence_z < 0:
             bad("cost_refresh_chunks and confidence_z must be >= 0")
         if self.chunk_steps < 1:

@@ -105,7 +105,7 @@ class Scheduler:
         self.log = log or DecisionLog()
         table = cfg.costs_table()
         self.costs = StepCosts(table, "config") if table else StepCosts(engine.step_costs, "warm-up")
-        self.policy = Policy(cfg, self.costs, engine.ks)
+        self.policy = Policy(cfg, self.costs, engine.ks, engine.accept_widths)
         self.monitor = AcceptanceMonitor(cfg.monitor, LATENCY_CLASSES, engine.drafter_name, self.log,
                                          enabled=cfg.policy in ("rules", "schedule") and engine.kmax > 0)
         self.k_override = k_override
@@ -312,7 +312,7 @@ class Scheduler:
                 gain, best_k = self.policy.best_gain(est, b)
                 gain_on = self.policy.best_gain(est.lower(self.cfg.confidence_z), b)[0]
                 on = self.monitor.spec_on(c)
-                detail = (f"MAL({best_k}) {est.mal(best_k):.2f}, verified {est.verified:.2f}, step cost "
+                detail = (f"MAL({best_k}) {self.policy.mal(est, best_k):.2f}, verified {est.verified:.2f}, step cost "
                           f"K={best_k}/K=0 {self.costs.cost(b, best_k) / self.costs.cost(b, 0):.2f} at B={b}")
                 self.monitor.evaluate(c, gain, detail, self.steps, gain_on)
                 if self.monitor.spec_on(c) != on:
@@ -506,7 +506,7 @@ def build_scheduler(model, drafter: str | None, cfg: ServingConfig, log=None, me
     from specjax.drafters import make_drafter
 
     ks = cfg.ks if (drafter or "none") != "none" else (0,)
-    family = make_drafter(drafter, max(ks), model) if max(ks) > 0 else None
+    family = make_drafter(drafter, max(ks), model, cfg.tree_topk, cfg.tree_depth) if max(ks) > 0 else None
     engine = SlotEngine(model, family, ks=ks, buckets=cfg.buckets, max_seq_len=cfg.max_seq_len,
                         implementation=implementation)
     if measure is None:

@@ -127,7 +127,9 @@ class SlotEngine:
         self.max_seq_len = min(int(max_seq_len or ctx), ctx)
         # history writes reach hist_len + K; positions past max_seq_len hold only scratch drafts
         self.cache_size = bucket_multiple(self.max_seq_len + self.kmax + 2, 128)
-        self.stat_width = max(self.kmax, 1)
+        # K -> the most drafts a step accepts (K for chains; a tree of K nodes: its depth)
+        self.accept_widths = {k: v.accept_width for k, v in self.variants.items()}
+        self.stat_width = max(max(self.accept_widths.values()), 1)
         self.implementation = implementation
         self.dparams = drafter.params()
         self.params = model.params
