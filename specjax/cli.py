@@ -513,9 +513,10 @@ def build_parser() -> ArgumentParser:
     w.set_defaults(fn=cmd_lower)
 
     x = sub.add_parser("export", help="write a drafter in a format vLLM / SGLang load: eagle3 -> eagle "
-                       "(EAGLE/SpecForge) | speculators (vLLM); draft -> hf")
-    x.add_argument("drafter", help="as --drafter takes it: eagle3 (the shipped one), eagle3:DIR, draft, draft:DIR")
-    x.add_argument("--format", required=True, choices=["eagle", "speculators", "hf"])
+                       "(EAGLE/SpecForge) | speculators (vLLM); draft -> hf; dflash -> zlab")
+    x.add_argument("drafter", help="as --drafter takes it: eagle3 (the shipped one), eagle3:DIR, draft, draft:DIR, "
+                   "dflash:DIR")
+    x.add_argument("--format", required=True, choices=["eagle", "speculators", "hf", "zlab"])
     x.add_argument("--out", required=True, help="a new or empty directory")
     x.add_argument("--model", default=None, help="the drafter's target (default: the embedded SmolLM2-135M-Instruct)")
     x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

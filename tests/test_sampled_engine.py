@@ -27,7 +27,7 @@ N_ROWS = 16_000
 PROMPT = [3, 7, 3, 7, 3]
 SETTINGS = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=1),
             SamplingParams(temperature=0.7, top_k=6, top_p=0.9, max_new_tokens=3, seed=2)]
-WHICH = ["draft_model", "draft_vocab", "draft_gated", "ngram", "ngram_prefix"]
+WHICH = ["draft_model", "draft_vocab", "draft_gated", "ngram", "ngram_prefix", "dflash"]
 ALPHA = 1e-3 / (2 * len(SETTINGS) * len(WHICH))
 DRAFT_VOCAB = np.array([0, 2, 3, 5, 7, 8, 11, 14])  # draft tokens: half the vocabulary
 
@@ -41,6 +41,17 @@ class GatedDraftModel(DraftModelDrafter):
         p, state = super().propose(dparams, state, ctx)
         active = ctx.hist_len % 2 == 0  # [B]
         return p.replace(active=active), state
+
+
+def tiny_dflash(target):
+    """A random one-layer DFlash drafter for the target: K = 2 drafts from a 3-position block,
+    drawn from q (its logits scaled up so q is neither flat nor a point mass)."""
+    from specjax.drafters import dflash
+
+    c = target.config
+    cfg = dflash.DFlashConfig(dataclasses.replace(c, num_layers=1, qk_norm=True),
+                              dflash.default_target_layers(c.num_layers, 1), c.num_layers, 3, V - 1, logit_scale=3.0)
+    return dflash.DFlashDrafter(2, dflash.init_weights(cfg, seed=2), target)
 
 
 def sharpen(model, scale=4.0):
@@ -121,6 +132,8 @@ def test_sampled_speculative_output_has_target_law(models, which, setting):
         assert drafter.verify_lengths == (3, 5)
     elif which == "draft_gated":
         drafter = GatedDraftModel(2, draft, target.config)
+    elif which == "dflash":  # a block of drafts from one pass, each drawn from its own q
+        drafter = tiny_dflash(target)
     else:
         drafter = DraftModelDrafter(2, draft, target.config,
                                     draft_vocab=DRAFT_VOCAB if which == "draft_vocab" else None)
@@ -136,6 +149,25 @@ def test_sampled_speculative_output_has_target_law(models, which, setting):
         acc = sum(sum(r.accepted) for r in rows)
         chk = sum(sum(r.checked) for r in rows)
         assert 0 < acc < chk
+
+
+def test_a_dflash_drafter_with_the_wrong_q_fails_the_law(models):
+    """Teeth: the same DFlash drafts handed to the sampler with q sharpened (q^3, renormalised),
+    not the law they were drawn from, bias the output, and the G-test above sees it."""
+    from specjax.drafters import dflash
+
+    class WrongQ(dflash.DFlashDrafter):
+        def propose(self, dparams, st, ctx):
+            p, st = super().propose(dparams, st, ctx)
+            q = p.q ** 3
+            return p.replace(q=q / jnp.sum(q, axis=-1, keepdims=True)), st
+
+    target, _ = models
+    good = tiny_dflash(target)
+    sp = SETTINGS[0]
+    seeded = [dataclasses.replace(sp, seed=sp.seed * N_ROWS + i) for i in range(N_ROWS)]
+    rows = Engine(target).generate([PROMPT] * N_ROWS, seeded, drafter=WrongQ(2, good.weights, target))
+    assert min(law_pvalues(rows, exact_law(target, PROMPT, sp, 3))) < ALPHA
 
 
 # ---- per-row random streams (specjax/sampling.py) ----------------------------------------------

@@ -6,6 +6,8 @@
 * a draft model -> `hf`: a plain HF Llama-family checkpoint (a distilled one gets the target's
   embedding and head it borrows), what `--speculative-config '{"model": DIR}'` and SGLang's
   `--speculative-draft-model-path` take.
+* DFlash -> `zlab`: z-lab's `DFlashDraftModel` layout (dflash_formats.py), what vLLM's and SGLang's
+  `dflash` method loads.
 
 MTP modules trained by specjax have no published layout (published MTP layers live inside their
 target's checkpoint); asking for one is a one-line error.
@@ -48,6 +50,12 @@ def export_drafter(spec: str, fmt: str, out_dir: str, model_path: str | None = N
         if draft.tokenizer is None:  # the target's (a draft model shares its tokenizer)
             draft = dataclasses.replace(draft, tokenizer=target.tokenizer)
         return save_hf(draft, out_dir, dtype)
+    if kind == "dflash":
+        import jax.numpy as jnp
+
+        from specjax.drafters import dflash_formats
+
+        return dflash_formats.export(drafter.weights, out_dir, jnp.dtype(dtype))
     from specjax.drafters import eagle3_formats
 
     meta = None
