@@ -140,7 +140,7 @@ def _prefill(graphdef, params, prompt, prompt_len, *, cache_size, collect, want_
     c = prefill_chunk(b, t, cache_size, model.cfg.num_heads)
     last = (prompt_len - 1)[:, None, None]  # [B, 1, 1]
     if c == t:
-        h, cache, hidden = model.hidden(prompt, cache, collect=collect)  # h [B, T, D]
+        h, cache, hidden = model.hidden(prompt, cache, collect=collect, fresh=True)  # h [B, T, D]
         last_h = jnp.take_along_axis(h, last, axis=1)[:, 0]  # [B, D]
     else:
         d = model.cfg.hidden_size

@@ -27,7 +27,7 @@ N_ROWS = 16_000
 PROMPT = [3, 7, 3, 7, 3]
 SETTINGS = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=1),
             SamplingParams(temperature=0.7, top_k=6, top_p=0.9, max_new_tokens=3, seed=2)]
-WHICH = ["draft_model", "draft_vocab", "draft_gated", "ngram", "ngram_prefix", "dflash"]
+WHICH = ["draft_model", "draft_vocab", "draft_gated", "ngram", "ngram_prefix", "dflash", "dflash_tree"]
 ALPHA = 1e-3 / (2 * len(SETTINGS) * len(WHICH))
 DRAFT_VOCAB = np.array([0, 2, 3, 5, 7, 8, 11, 14])  # draft tokens: half the vocabulary
 
@@ -134,6 +134,8 @@ def test_sampled_speculative_output_has_target_law(models, which, setting):
         drafter = GatedDraftModel(2, draft, target.config)
     elif which == "dflash":  # a block of drafts from one pass, each drawn from its own q
         drafter = tiny_dflash(target)
+    elif which == "dflash_tree":  # its spine tree: 2 levels, 2 candidates each, deterministic
+        drafter = tiny_dflash(target).with_num_draft(4).with_tree(2, 2)
     else:
         drafter = DraftModelDrafter(2, draft, target.config,
                                     draft_vocab=DRAFT_VOCAB if which == "draft_vocab" else None)

@@ -8,7 +8,10 @@ A drafter plugs in as a *task* object with:
   passed to the compiled step as an argument (closing over them would bake 100+ MB constants in),
 * `loss(params, frozen, batch) -> (loss, metrics)` (pure; batch from `FeatureStore.batch`),
 * `evaluate(params, store) -> dict` (host-side; e.g. simulated MAL and per-position acceptance),
-* `batch_axes`: for each batch array, the axis that is the batch (sharded over devices).
+* `batch_axes`: for each batch array, the axis that is the batch (sharded over devices). A task
+  that lists `row_id` gets `row_id [B]` uint32, distinct for every (step, row slot): the seed of
+  random choices it makes per row (DFlash's block anchors), a pure function of the step, so that
+  resume stays exact and the draws do not depend on how rows are sharded.
 
 Exact resume: the batch of step s is a pure function of (seed, s) (an epoch-wise permutation), and
 checkpoints hold params, optimizer state and step. A run killed after checkpoint c and resumed
@@ -140,6 +143,8 @@ def fit(task, store, o: OptimConfig, out_dir: str, eval_store=None, console=None
 
     def device_batch(step):
         b = trim_padding(store.batch(batch_indices(len(store), o.batch_size, o.seed, step)), task.batch_axes)
+        if "row_id" in task.batch_axes:
+            b["row_id"] = (step * o.batch_size + np.arange(o.batch_size)).astype(np.uint32)
         return {k: jax.device_put(v, shardings[k]) for k, v in b.items() if k in shardings}
 
     end = o.steps if stop_after is None else min(o.steps, start + stop_after)

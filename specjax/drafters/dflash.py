@@ -19,6 +19,12 @@ drawn from the draft distribution q otherwise: lossless under rejection sampling
 
 The block holds K + 1 positions, so a model trained on blocks of `block_size` drafts up to
 `block_size - 1` tokens (fewer: a shorter block, as the reference does near the end of a reply).
+
+Token trees (`--tree-topk k --tree-depth D`): the block's top-1 tokens are the tree's spine, and
+the best of the other k - 1 candidates at each position hang off the spine node before it (scored
+by the spine's log-probability up to there plus their own; `num_draft` nodes in all). The block
+drafts every position from the same pass, so an alternative gets no children: it adds one token
+where the spine breaks. Candidates are deterministic (q = None, the one-hot scheme).
 Embedding and head are the target's; a drafter may restrict the head to a draft vocabulary
 (`d2t`, as EAGLE-3 does) to cut the head's cost. Published z-lab checkpoints: dflash_formats.py.
 """
@@ -225,9 +231,16 @@ class DFlashDrafter(Drafter):
 
     def check_shape(self) -> None:
         most = self.weights.config.max_num_draft
-        if self.num_draft > most:
+        if self.accept_width > most:
+            got = f"--tree-depth {self.tree_depth}" if self.tree_topk > 1 else f"--num-draft {self.num_draft}"
             raise DrafterError(f"{self.source} drafts blocks of {self.weights.config.block_size} positions, so "
-                               f"1..{most} tokens per step; got --num-draft {self.num_draft}")
+                               f"1..{most} tokens per step; got {got}")
+
+    def max_tree_nodes(self, topk: int, depth: int) -> int:
+        return topk * depth  # the spine and k - 1 alternatives at each of its positions
+
+    def default_tree_depth(self) -> int:
+        return min(super().default_tree_depth(), self.weights.config.max_num_draft)
 
     def cache_key(self):
         return super().cache_key() + (id(self.weights),)
@@ -248,8 +261,9 @@ class DFlashDrafter(Drafter):
         return DFlashState(cache.with_lengths(ctx.prompt_len))  # padding past the prompt: never read
 
     def block_logits(self, dparams, st: DFlashState, history: jax.Array, hist_len: jax.Array) -> jax.Array:
-        """The draft logits `[B, K, N]` of the block after each row's last emitted token."""
-        net, k = self._net(dparams), self.num_draft
+        """The draft logits `[B, K, N]` of the block after each row's last emitted token (K: the
+        chain's drafts, or a tree's depth)."""
+        net, k = self._net(dparams), self.accept_width
         b = history.shape[0]
         m = st.cache.lengths  # [B] = hist_len - 1
         last = jnp.take_along_axis(history, (hist_len - 1)[:, None], axis=1)  # [B, 1]
@@ -260,11 +274,31 @@ class DFlashDrafter(Drafter):
 
     def propose(self, dparams, st: DFlashState, ctx: StepContext):
         logits = self.block_logits(dparams, st, ctx.history, ctx.hist_len)  # [B, K, N]
+        if self.tree_topk > 1:
+            return self._tree(dparams, logits), st
         drafts, qs = zip(*(draft_token(ctx.seeds, i, logits[:, i], dparams["d2t"], self.target.config.vocab_size,
                                        ctx.sampling, ctx.all_greedy) for i in range(self.num_draft)), strict=True)
         draft = jnp.stack(drafts, axis=1).astype(jnp.int32)  # [B, K]
         q = None if ctx.all_greedy else jnp.stack(qs, axis=1)  # [B, K, V]
         return Proposal(draft, q), st
+
+    def _tree(self, dparams, logits: jax.Array) -> Proposal:
+        """Block logits `[B, D, N]` -> the spine tree of `num_draft` nodes: nodes 0..D-1 the spine
+        (a chain), then the chosen alternatives in depth order, each a child of the spine node
+        above it."""
+        b, depth, _ = logits.shape
+        k, n_alt = self.tree_topk, self.num_draft - depth
+        top, idx = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, D, k]
+        tok = idx if dparams["d2t"] is None else jnp.take(dparams["d2t"], idx)  # [B, D, k] target ids
+        above = jnp.cumsum(top[:, :, 0], axis=1) - top[:, :, 0]  # [B, D] spine log-prob before depth d
+        score = (above[:, :, None] + top[:, :, 1:]).reshape(b, depth * (k - 1))  # [B, D (k-1)]
+        pick = jnp.sort(jax.lax.top_k(score, n_alt)[1], axis=1)  # [B, n_alt] depth-major: level order
+        d_alt = pick // (k - 1)  # [B, n_alt]
+        alt = jnp.take_along_axis(tok.reshape(b, depth * k), d_alt * k + pick % (k - 1) + 1, axis=1)
+        tokens = jnp.concatenate([tok[:, :, 0], alt], axis=1).astype(jnp.int32)  # [B, num_draft]
+        spine_par = jnp.broadcast_to(jnp.arange(depth, dtype=jnp.int32)[None] - 1, (b, depth))  # [B, D]
+        parents = jnp.concatenate([spine_par, (d_alt - 1).astype(jnp.int32)], axis=1)  # [B, num_draft]
+        return Proposal(tokens, None, parents=parents)
 
     def commit(self, dparams, st: DFlashState, ctx: CommitContext) -> DFlashState:
         net = self._net(dparams)

@@ -159,7 +159,7 @@ class DraftModelDrafter(Drafter):
     def init(self, dparams, ctx: InitContext):
         m = nnx.merge(self.model.graphdef, dparams["model"])
         cache = m.new_cache(ctx.prompt.shape[0], ctx.cache_size)
-        _, cache, _ = m.hidden(ctx.prompt, cache)
+        _, cache, _ = m.hidden(ctx.prompt, cache, fresh=True)
         return cache.with_lengths(ctx.hist_len - 2)
 
     def catch_up(self, dparams, cache, ctx: CommitContext):

@@ -164,15 +164,17 @@ class Eagle3(nnx.Module):
         g = h + self.mlp(self.mlp_norm(h))  # [B, T, D]
         return self.norm(g) if self.cfg.norm_output else g
 
-    def step(self, emb: jax.Array, feat: jax.Array, cache: KVCache, positions=None, mask=None):
+    def step(self, emb: jax.Array, feat: jax.Array, cache: KVCache, positions=None, mask=None, fresh: bool = False):
         """One pass over T positions written at `cache.lengths` (one-layer cache; lengths
         unchanged), at rope `positions [B, T]` (default lengths + t) attending among themselves as
-        `mask [B, T, T]` says (default causal; a token tree: its ancestor mask). Returns g
-        `[B, T, D]` and the cache."""
+        `mask [B, T, T]` says (default causal; a token tree: its ancestor mask). `fresh`: the cache
+        is empty (written from position 0, not read; llama.attention). Returns g `[B, T, D]` and
+        the cache."""
         if positions is None:
             positions = cache.lengths[:, None] + jnp.arange(emb.shape[1])[None]  # [B, T]
         cos, sin = rope_tables(self.cfg.layer_config(), positions)
-        a, k, v = self.attn(self.layer_input(emb, feat), cos, sin, cache.k[0], cache.v[0], cache.lengths, mask)
+        a, k, v = self.attn(self.layer_input(emb, feat), cos, sin, cache.k[0], cache.v[0],
+                            None if fresh else cache.lengths, mask)
         return self.finish(feat, a), cache.replace(k=(k,), v=(v,))
 
     def logits(self, g: jax.Array) -> jax.Array:
@@ -318,7 +320,7 @@ class Eagle3Drafter(Drafter):
         nxt = jnp.take(ctx.history, jnp.minimum(jnp.arange(1, t + 1), ctx.history.shape[1] - 1), axis=1)
         emb = jnp.take(dparams["embed"], nxt, axis=0).astype(net.fc[...].dtype)  # [B, T, D]
         cache = net.new_cache(b, ctx.cache_size)
-        g, cache = net.step(emb, net.fuse(ctx.target_hidden), cache)  # [B, T, D]
+        g, cache = net.step(emb, net.fuse(ctx.target_hidden), cache, fresh=True)  # [B, T, D]
         g_last = jnp.take_along_axis(g, (ctx.prompt_len - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
         return Eagle3State(cache.with_lengths(ctx.prompt_len), g_last)
 

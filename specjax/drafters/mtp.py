@@ -157,11 +157,12 @@ class MTP(nnx.Module):
         """cos, sin `[B, T, H]` for positions `[B, T]`."""
         return rope_tables(self.cfg.layer_config(), positions)
 
-    def run(self, k: int, emb, h_prev, cache: KVCache, cos, sin) -> tuple[jax.Array, KVCache]:
+    def run(self, k: int, emb, h_prev, cache: KVCache, cos, sin, fresh: bool = False) -> tuple[jax.Array, KVCache]:
         """Draft depth k (1-based: module (k - 1) mod N) over T positions at `cache.lengths`,
-        writing cache layer k - 1 (lengths unchanged). emb, h_prev `[B, T, D]` -> h^k `[B, T, D]`."""
+        writing cache layer k - 1 (lengths unchanged). emb, h_prev `[B, T, D]` -> h^k `[B, T, D]`.
+        `fresh`: the cache layer is empty (written from position 0, not read; llama.attention)."""
         h, kc, vc = self.module_for(k)(emb.astype(self.dtype), h_prev.astype(self.dtype), cos, sin,
-                                      cache.k[k - 1], cache.v[k - 1], cache.lengths)
+                                      cache.k[k - 1], cache.v[k - 1], None if fresh else cache.lengths)
         ks, vs = list(cache.k), list(cache.v)
         ks[k - 1], vs[k - 1] = kc, vc
         return h, cache.replace(k=tuple(ks), v=tuple(vs))
@@ -290,7 +291,7 @@ class MTPDrafter(Drafter):
         h = ctx.target_final  # [B, T, D]
         for k in range(1, k_max + 1):  # entries j < c read x_{j+k} with j + k <= m: committed
             emb = jnp.take(dparams["embed"], gather_rows(ctx.history, pos + k), axis=0)  # [B, T, D]
-            h, cache = net.run(k, emb, h, cache, cos, sin)
+            h, cache = net.run(k, emb, h, cache, cos, sin, fresh=True)
         length = self.window + k_max + 1  # L
         fin = gather_rows(ctx.target_final, c[:, None] + jnp.arange(length)[None]).astype(net.dtype)  # [B, L, D]
         return MTPState(cache.with_lengths(c), fin, m)

@@ -162,10 +162,15 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, k_cache, v_cache, starts, mask=None):
         """`attend` with the new keys and values written at `starts` first (a read of the cache
-        after its in-place update needs no copy): returns the output `[B, T, D]` and both caches."""
+        after its in-place update needs no copy): returns the output `[B, T, D]` and both caches.
+        `starts` None: a fresh cache (a prefill from position 0), written at 0 and not read."""
         q, k, v = self.project(x, cos, sin)
-        k_cache, v_cache = write_layer(k_cache, v_cache, k, v, starts)
-        return attention(self.cfg, self.o[...], q, k, v, k_cache, v_cache, starts, mask), k_cache, v_cache
+        at = jnp.zeros(x.shape[:1], jnp.int32) if starts is None else starts  # [B]
+        k_cache, v_cache = write_layer(k_cache, v_cache, k, v, at)
+        fresh = starts is None
+        out = attention(self.cfg, self.o[...], q, k, v, None if fresh else k_cache, None if fresh else v_cache,
+                        starts, mask)
+        return out, k_cache, v_cache
 
 
 def attention(cfg: LlamaConfig, o_weight, q, k, v, k_cache, v_cache, starts, mask=None):
@@ -173,31 +178,42 @@ def attention(cfg: LlamaConfig, o_weight, q, k, v, k_cache, v_cache, starts, mas
     [B]` positions (`k_cache, v_cache [B*KV, S, H]`; entries at `starts` and past are ignored,
     written or not) and their own keys and values `k, v [B, T, KV, H]`, causally or, given
     `mask [B, T, T]` (query i sees new key j), as it says (a token tree: its ancestor mask): one
-    softmax over both parts. Returns the output projection `[B, T, D]`."""
+    softmax over both parts. `k_cache` None: nothing is cached before the new positions (a fresh
+    prefill), so only they are attended. (Reading an empty cache created inside the same jit would
+    be all constants: XLA then constant-folds the `[B*KV, S, M]` score reductions, minutes of
+    compile time at batch 32.) Returns the output projection `[B, T, D]`."""
     b, t = q.shape[:2]
     n, kv, h, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_groups
     # Queries grouped by KV head: row (b, j) of the cache serves M = T*G query vectors. Scores are
     # `[B*KV, S, M]` (S major, softmax over S): XLA CPU then streams K and V.
-    s, m = k_cache.shape[1], t * g
+    m = t * g
+    dtype = v.dtype if v_cache is None else v_cache.dtype
     q = q.reshape(b, t, kv, g, h).transpose(0, 2, 1, 3, 4).reshape(b * kv, m, h)  # [B*KV, M, H]
-    k_new = k.transpose(0, 2, 1, 3).reshape(b * kv, t, h).astype(k_cache.dtype)  # [B*KV, T, H]
-    v_new = v.transpose(0, 2, 1, 3).reshape(b * kv, t, h).astype(v_cache.dtype)  # [B*KV, T, H]
-    acc = jnp.promote_types(v_cache.dtype, jnp.float32)  # scores, softmax and sums: f32 (f64 for f64)
+    k_new = k.transpose(0, 2, 1, 3).reshape(b * kv, t, h).astype(dtype)  # [B*KV, T, H]
+    v_new = v.transpose(0, 2, 1, 3).reshape(b * kv, t, h).astype(dtype)  # [B*KV, T, H]
+    acc = jnp.promote_types(dtype, jnp.float32)  # scores, softmax and sums: f32 (f64 for f64)
     scale, lowest = 1.0 / math.sqrt(h), jnp.finfo(acc).min
-    old_ok = jnp.repeat(jnp.arange(s)[None, :] < starts[:, None], kv, axis=0)[:, :, None]  # [B*KV, S, 1]
     if mask is None:
         new_ok = jnp.repeat(jnp.arange(t)[:, None] <= jnp.arange(t)[None, :], g, axis=1)[None]  # [1, T, M]
     else:  # [B, Tq, Tk] -> keys major, queries x groups: [B*KV, Tk, M]
         new_ok = jnp.repeat(jnp.repeat(jnp.swapaxes(mask, 1, 2), g, axis=2), kv, axis=0)
-    s_old = jnp.einsum("NSH,NMH->NSM", k_cache, q, preferred_element_type=acc) * scale
     s_new = jnp.einsum("NTH,NMH->NTM", k_new, q, preferred_element_type=acc) * scale
-    s_old = jnp.where(old_ok, s_old, lowest)  # [B*KV, S, M]
     s_new = jnp.where(new_ok, s_new, lowest)  # [B*KV, T, M]
-    top = jnp.maximum(jnp.max(s_old, axis=1, keepdims=True), jnp.max(s_new, axis=1, keepdims=True))  # [B*KV, 1, M]
-    p_old, p_new = jnp.exp(s_old - top), jnp.exp(s_new - top)  # one softmax over S + T, unnormalised
-    total = jnp.sum(p_old, axis=1) + jnp.sum(p_new, axis=1)  # [B*KV, M]
-    out = (jnp.einsum("NSM,NSH->NMH", p_old.astype(v_cache.dtype), v_cache, preferred_element_type=acc)
-           + jnp.einsum("NTM,NTH->NMH", p_new.astype(v_cache.dtype), v_new, preferred_element_type=acc))  # [B*KV, M, H]
+    if k_cache is None:
+        top = jnp.max(s_new, axis=1, keepdims=True)  # [B*KV, 1, M]
+        p_new = jnp.exp(s_new - top)
+        total = jnp.sum(p_new, axis=1)  # [B*KV, M]
+        out = jnp.einsum("NTM,NTH->NMH", p_new.astype(dtype), v_new, preferred_element_type=acc)  # [B*KV, M, H]
+    else:
+        s = k_cache.shape[1]
+        old_ok = jnp.repeat(jnp.arange(s)[None, :] < starts[:, None], kv, axis=0)[:, :, None]  # [B*KV, S, 1]
+        s_old = jnp.einsum("NSH,NMH->NSM", k_cache, q, preferred_element_type=acc) * scale
+        s_old = jnp.where(old_ok, s_old, lowest)  # [B*KV, S, M]
+        top = jnp.maximum(jnp.max(s_old, axis=1, keepdims=True), jnp.max(s_new, axis=1, keepdims=True))  # [B*KV, 1, M]
+        p_old, p_new = jnp.exp(s_old - top), jnp.exp(s_new - top)  # one softmax over S + T, unnormalised
+        total = jnp.sum(p_old, axis=1) + jnp.sum(p_new, axis=1)  # [B*KV, M]
+        out = (jnp.einsum("NSM,NSH->NMH", p_old.astype(dtype), v_cache, preferred_element_type=acc)
+               + jnp.einsum("NTM,NTH->NMH", p_new.astype(dtype), v_new, preferred_element_type=acc))  # [B*KV, M, H]
     out = (out / total[:, :, None]).astype(q.dtype)
     out = out.reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4)  # [B, T, KV, G, H]
     return linear(o_weight, out.reshape(b, t, n * h))
@@ -258,15 +274,17 @@ class Llama(nnx.Module):
         """Final normed hidden `[..., D]` -> f32 logits `[..., V]`."""
         return linear(self.head_weight(), h, jnp.float32)
 
-    def hidden(self, tokens, cache: KVCache, collect: tuple[int, ...] = (), positions=None, mask=None):
+    def hidden(self, tokens, cache: KVCache, collect: tuple[int, ...] = (), positions=None, mask=None,
+               fresh: bool = False):
         """Run the decoder over `tokens [B, T]` written at `cache.lengths`, at rope `positions
         [B, T]` (default: lengths + t) attending as `mask [B, T, T]` says among themselves
         (default: causal; a token tree passes its ancestor mask and lengths + depth, tree.py).
+        `fresh`: the cache holds nothing yet (a prefill from position 0): written at 0, never read.
 
         Returns the final normed hidden `[B, T, D]`, the cache with the new K/V written (lengths
         unchanged) and the hidden states of the `collect` layers `[n, B, T, D]` (or None).
         """
-        h, ks, vs, collected = self._layers(tokens, cache, collect, positions, mask, write=True)
+        h, ks, vs, collected = self._layers(tokens, cache, collect, positions, mask, write=True, fresh=fresh)
         return h, cache.replace(k=ks, v=vs), collected
 
     def hidden_kv(self, tokens, cache: KVCache, collect: tuple[int, ...] = (), positions=None, mask=None):
@@ -276,14 +294,15 @@ class Llama(nnx.Module):
         h, ks, vs, collected = self._layers(tokens, cache, collect, positions, mask, write=False)
         return h, KVUpdate(ks, vs), collected
 
-    def _layers(self, tokens, cache, collect, positions, mask, write: bool):
+    def _layers(self, tokens, cache, collect, positions, mask, write: bool, fresh: bool = False):
         """-> (final normed hidden, keys and values per layer: the written buffers `[B*KV, S, H]`
         with `write`, else the new entries `[B, T, KV, H]`, collected hidden states)."""
         x = self.embed_tokens(tokens)  # [B, T, D]
         b, t = tokens.shape
-        starts = cache.lengths
         if positions is None:
-            positions = starts[:, None] + jnp.arange(t)[None, :]  # [B, T]
+            positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t)) if fresh else (
+                cache.lengths[:, None] + jnp.arange(t)[None, :])  # [B, T]
+        starts = None if fresh else cache.lengths
         cos, sin = rope_tables(self.cfg, positions)
         outs, ks, vs = [], [], []
         for layer, k_l, v_l in zip(self.layers, cache.k, cache.v, strict=True):

@@ -1,0 +1,132 @@
+"""DFlash training (train/dflash.py): the loss drops and simulated acceptance rises, resume is
+exact, 4 host devices equal one (the random block anchors are seeded per global row), and the
+simulator's forecast along greedy decoding's path is the MAL the engine measures with the exported
+drafter, whose greedy output is the target's."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from helpers import SHARP_LAYERS
+from specjax.drafters import make_drafter
+from specjax.engine import Engine
+from specjax.sampling import SamplingParams
+from train.dflash import DFlashTask, draw_anchors, valid_anchors
+from train.loop import OptimConfig, fit, read_log
+
+
+def make_task(target, store):
+    return DFlashTask(target, store.counts, num_layers=1, block_size=4, mask_token_id=255, draft_vocab_size=0,
+                      target_layers=SHARP_LAYERS, intermediate_size=64, anchors=12)
+
+
+@pytest.fixture(scope="module")
+def trained(sharp_target, sharp_store, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("dflash_run"))
+    task = make_task(sharp_target, sharp_store)
+    o = OptimConfig(steps=60, batch_size=8, lr=3e-3, warmup_steps=4, checkpoint_every=60, eval_every=60)
+    before = task.evaluate(task.init_params(o.seed), sharp_store)
+    params = fit(task, sharp_store, o, out, eval_store=sharp_store)
+    return task, params, before, read_log(out)
+
+
+def test_loss_drops_and_acceptance_improves(trained):
+    _, _, before, log = trained
+    first, last = np.mean([r["loss"] for r in log[:4]]), np.mean([r["loss"] for r in log[-4:]])
+    assert last < 0.7 * first, (first, last)
+    after = log[-1]["eval"]
+    assert after["sim_mal"] > before["sim_mal"] + 0.2, (before, after)
+    assert len(after["sim_per_position"]) == 3
+
+
+def test_exported_drafter_is_lossless_and_the_forecast_holds(sharp_target, sharp_seqs, sharp_store, trained,
+                                                              tmp_path):
+    task, params, _, log = trained
+    task.export(params, str(tmp_path), metadata={"final_eval": log[-1]["eval"]})
+    drafter = make_drafter(f"dflash:{tmp_path}", 0, sharp_target)
+    assert drafter.num_draft == 3
+    seqs = sharp_seqs[:16]
+    rows = Engine(sharp_target).generate([ids[:p] for ids, p in seqs],
+                                         [SamplingParams(max_new_tokens=len(ids) - p) for ids, p in seqs],
+                                         drafter=drafter)
+    assert [r.token_ids for r in rows] == [ids[p:] for ids, p in seqs]
+    engine_mal = sum(len(r.token_ids) - 1 for r in rows) / sum(r.steps for r in rows)
+    sim = task.evaluate(params, sharp_store, max_rows=16)
+    assert engine_mal > 1.3 and abs(sim["path_mal"] - engine_mal) < 0.12, (sim, engine_mal)
+
+
+def test_spine_trees_are_lossless_and_accept_more(sharp_target, sharp_seqs, trained, tmp_path):
+    """The trained drafter as a tree's spine (3 levels, 3 candidates each, 6 nodes): greedy output
+    is the target's, and the alternatives win steps the chain loses."""
+    task, params, _, _ = trained
+    task.export(params, str(tmp_path))
+    seqs = sharp_seqs[16:32]
+    prompts = [ids[:p] for ids, p in seqs]
+    sps = [SamplingParams(max_new_tokens=len(ids) - p) for ids, p in seqs]
+    engine = Engine(sharp_target)
+    mal = {}
+    for topk, n in ((1, 3), (3, 6)):
+        drafter = make_drafter(f"dflash:{tmp_path}", n, sharp_target, tree_topk=topk, tree_depth=3)
+        rows = engine.generate(prompts, sps, drafter=drafter)
+        assert [r.token_ids for r in rows] == [ids[p:] for ids, p in seqs]
+        mal[topk] = sum(len(r.token_ids) - 1 for r in rows) / sum(r.steps for r in rows)
+        if topk > 1:
+            assert sum(r.off_chain for r in rows) > 0
+    assert mal[3] > mal[1], mal
+
+
+def test_anchors_are_distinct_valid_and_seeded_per_row():
+    import jax.numpy as jnp
+
+    mask = jnp.asarray([[False] * 3 + [True] * 9, [False] * 10 + [True] * 2])
+    ok = valid_anchors(mask)
+    assert np.asarray(ok).sum(1).tolist() == [8, 1]  # the last reply token has no next token
+    anc, real = draw_anchors(jnp.asarray([5, 6], jnp.uint32), ok, 4)
+    anc, real = np.asarray(anc), np.asarray(real)
+    assert real[0].all() and real[1].tolist() == [True, False, False, False]
+    assert len(set(anc[0])) == 4 and all(np.asarray(ok)[0, anc[0]])
+    again, _ = draw_anchors(jnp.asarray([5, 7], jnp.uint32), ok, 4)
+    assert np.asarray(again)[0].tolist() == anc[0].tolist()  # a row's draw depends on its id only
+
+
+def test_resume_reproduces_the_next_steps_exactly(sharp_target, sharp_store, tmp_path):
+    o = OptimConfig(steps=8, batch_size=8, lr=1e-3, warmup_steps=2, checkpoint_every=4, eval_every=0)
+    fit(make_task(sharp_target, sharp_store), sharp_store, o, str(tmp_path / "full"))
+    fit(make_task(sharp_target, sharp_store), sharp_store, o, str(tmp_path / "cut"), stop_after=6)
+    fit(make_task(sharp_target, sharp_store), sharp_store, o, str(tmp_path / "cut"))  # resumes from step 4
+    full, cut = read_log(str(tmp_path / "full")), read_log(str(tmp_path / "cut"))
+    assert [r["step"] for r in cut] == list(range(1, 9))
+    assert [r["loss"] for r in cut] == [r["loss"] for r in full]
+
+
+SHARDED_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax
+    sys.path.insert(0, {tests!r})
+    from helpers import sharp_target
+    from test_train_dflash import make_task
+    from train.data import FeatureStore
+    from train.loop import OptimConfig, fit, read_log
+    assert len(jax.devices()) == 4
+    target = sharp_target()
+    store = FeatureStore({store!r})
+    o = OptimConfig(steps=3, batch_size=8, lr=1e-3, warmup_steps=1, checkpoint_every=3, eval_every=0)
+    fit(make_task(target, store), store, o, {out!r})
+    print(json.dumps([r["loss"] for r in read_log({out!r})]))
+""")
+
+
+def test_four_devices_match_one(sharp_target, sharp_store, tmp_path):
+    o = OptimConfig(steps=3, batch_size=8, lr=1e-3, warmup_steps=1, checkpoint_every=3, eval_every=0)
+    fit(make_task(sharp_target, sharp_store), sharp_store, o, str(tmp_path / "one"))
+    one = [r["loss"] for r in read_log(str(tmp_path / "one"))]
+    script = SHARDED_SCRIPT.format(tests=os.path.dirname(__file__), store=sharp_store.path, out=str(tmp_path / "four"))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    np.testing.assert_allclose(json.loads(out.stdout.strip().splitlines()[-1]), one, rtol=2e-5)
