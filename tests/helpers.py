@@ -145,3 +145,34 @@ def write_jsonl(path, rows) -> str:
 def read_rows(path) -> list[dict]:
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+FOUR_DEVICE_SCRIPT = """
+import json, sys
+import jax
+sys.path.insert(0, {tests!r})
+from helpers import sharp_target
+from {module} import make_task
+from train.data import FeatureStore
+from train.loop import OptimConfig, fit, read_log
+assert len(jax.devices()) == 4
+target = sharp_target()
+store = FeatureStore({store!r})
+o = OptimConfig(steps={steps}, batch_size=8, lr=1e-3, warmup_steps=1, checkpoint_every={steps}, eval_every=0)
+fit(make_task(target, store), store, o, {out!r})
+print(json.dumps([r["loss"] for r in read_log({out!r})]))
+"""
+
+
+def four_device_losses(module: str, store_path: str, out: str, steps: int) -> list[float]:
+    """The per-step losses of `module.make_task(sharp_target(), store)` trained for `steps` steps
+    (batch 8, lr 1e-3) in a fresh process on 4 host devices: the data-parallel run the tests
+    compare with one device."""
+    import subprocess
+
+    script = FOUR_DEVICE_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), module=module,
+                                       store=store_path, out=out, steps=steps)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -6,14 +6,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 
 import numpy as np
 import pytest
 
-from helpers import REPO, SHARP_LAYERS, specjax_cli_cmd, tiny_checkpoint_with_tokenizer
+from helpers import REPO, SHARP_LAYERS, four_device_losses, specjax_cli_cmd, tiny_checkpoint_with_tokenizer
 from train.config import RecipeError, load_recipe
 from train.data import extract_features
 from train.eagle3 import Eagle3Task
@@ -60,32 +59,11 @@ def test_batch_order_is_a_pure_function_of_the_step():
     assert seen == sorted(list(range(10)) * 2)  # two epochs cover every row twice
 
 
-SHARDED_SCRIPT = textwrap.dedent("""
-    import json, sys
-    import jax, numpy as np
-    sys.path.insert(0, {tests!r})
-    from helpers import sharp_target
-    from test_train import make_task, LAYERS
-    from train.data import FeatureStore
-    from train.loop import OptimConfig, fit, read_log
-    assert len(jax.devices()) == 4
-    target = sharp_target()
-    store = FeatureStore({store!r})
-    o = OptimConfig(steps=4, batch_size=8, lr=1e-3, warmup_steps=1, checkpoint_every=4, eval_every=0)
-    fit(make_task(target, store), store, o, {out!r})
-    print(json.dumps([r["loss"] for r in read_log({out!r})]))
-""")
-
-
 def test_four_devices_match_one(sharp_target, sharp_store, tmp_path):
     o = OptimConfig(steps=4, batch_size=8, lr=1e-3, warmup_steps=1, checkpoint_every=4, eval_every=0)
     fit(make_task(sharp_target, sharp_store), sharp_store, o, str(tmp_path / "one"))
     one = [r["loss"] for r in read_log(str(tmp_path / "one"))]
-    script = SHARDED_SCRIPT.format(tests=os.path.dirname(__file__), store=sharp_store.path, out=str(tmp_path / "four"))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    four = json.loads(out.stdout.strip().splitlines()[-1])
+    four = four_device_losses("test_train", sharp_store.path, str(tmp_path / "four"), 4)
     np.testing.assert_allclose(four, one, rtol=2e-5)
 
 

@@ -3,16 +3,10 @@ exact, 4 host devices equal one (the random block anchors are seeded per global 
 simulator's forecast along greedy decoding's path is the MAL the engine measures with the exported
 drafter, whose greedy output is the target's."""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 
-from helpers import SHARP_LAYERS
+from helpers import SHARP_LAYERS, four_device_losses
 from specjax.drafters import make_drafter
 from specjax.engine import Engine
 from specjax.sampling import SamplingParams
@@ -104,29 +98,9 @@ def test_resume_reproduces_the_next_steps_exactly(sharp_target, sharp_store, tmp
     assert [r["loss"] for r in cut] == [r["loss"] for r in full]
 
 
-SHARDED_SCRIPT = textwrap.dedent("""
-    import json, sys
-    import jax
-    sys.path.insert(0, {tests!r})
-    from helpers import sharp_target
-    from test_train_dflash import make_task
-    from train.data import FeatureStore
-    from train.loop import OptimConfig, fit, read_log
-    assert len(jax.devices()) == 4
-    target = sharp_target()
-    store = FeatureStore({store!r})
-    o = OptimConfig(steps=3, batch_size=8, lr=1e-3, warmup_steps=1, checkpoint_every=3, eval_every=0)
-    fit(make_task(target, store), store, o, {out!r})
-    print(json.dumps([r["loss"] for r in read_log({out!r})]))
-""")
-
-
 def test_four_devices_match_one(sharp_target, sharp_store, tmp_path):
     o = OptimConfig(steps=3, batch_size=8, lr=1e-3, warmup_steps=1, checkpoint_every=3, eval_every=0)
     fit(make_task(sharp_target, sharp_store), sharp_store, o, str(tmp_path / "one"))
     one = [r["loss"] for r in read_log(str(tmp_path / "one"))]
-    script = SHARDED_SCRIPT.format(tests=os.path.dirname(__file__), store=sharp_store.path, out=str(tmp_path / "four"))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    np.testing.assert_allclose(json.loads(out.stdout.strip().splitlines()[-1]), one, rtol=2e-5)
+    four = four_device_losses("test_train_dflash", sharp_store.path, str(tmp_path / "four"), 3)
+    np.testing.assert_allclose(four, one, rtol=2e-5)

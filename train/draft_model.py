@@ -41,7 +41,7 @@ TABLES = nnx.Any(nnx.PathContains("embed"), nnx.PathContains("lm_head"))
 
 def draft_hidden(model: Llama, tokens: jax.Array) -> jax.Array:
     """Teacher-forced causal pass: tokens `[B, T]` -> final normed hidden `[B, T, D]`."""
-    h, _, _ = model.hidden(tokens, model.new_cache(tokens.shape[0], tokens.shape[1]))
+    h, _, _ = model.hidden(tokens, model.new_cache(tokens.shape[0], tokens.shape[1]), fresh=True)
     return h
 
 

@@ -48,7 +48,7 @@ def mtp_hidden(net: MTP, embed: jax.Array, tokens: jax.Array, final: jax.Array, 
     h, outs = final, []
     for k in range(1, depth + 1):
         emb = jnp.take(embed, shift_left(tokens, k), axis=0)  # [B, T, D]: x_{i+k}
-        h, cache = net.run(k, emb, h, cache, cos, sin)  # [B, T, D]
+        h, cache = net.run(k, emb, h, cache, cos, sin, fresh=True)  # [B, T, D]
         outs.append(h)
     return outs
 
