@@ -84,7 +84,7 @@ def test_shipped_drafters_are_lossless_and_accept(engine, prompt_ids, plain, def
     assert emitted / steps > 1.2, (kind, emitted, steps)  # trained: well above plain decoding's 1.0
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp", "draft"])
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "draft", "dflash"])
 def test_shipped_drafters_are_small_and_say_how_they_were_trained(kind):
     import json
     import os
