@@ -150,9 +150,6 @@ class DFlashTask:
         self.final_norm = m.norm.scale[...]
         self.graphdef = None
 
-    def head_rows(self, head):
-        return head if self.d2t is None else jnp.take(head, self.d2t, axis=0)
-
     def init_params(self, seed: int):
         from flax import nnx
 
@@ -168,7 +165,9 @@ class DFlashTask:
         return nnx.merge(self.graphdef, params)
 
     def frozen(self) -> dict:
-        return {"embed": self.embed, "head": self.head_rows(self.head), "d2t": self.d2t}
+        from specjax.drafters.base import head_rows
+
+        return {"embed": self.embed, "head": head_rows(self.head, self.d2t), "d2t": self.d2t}
 
     def loss(self, params, frozen, batch):
         return dflash_loss(self.net(params), batch, frozen["head"], frozen["embed"], self.cfg.block_size,
