@@ -497,6 +497,8 @@ def build_parser() -> ArgumentParser:
     t.add_argument("--config", default=None, help="a recipe YAML, e.g. configs/eagle3-smollm2.yaml")
     t.add_argument("--stop-after", type=int, default=None, help="stop after this many training steps (resume "
                    "later by rerunning the same command)")
+    t.add_argument("--replies-only", action="store_true", help="only add the recipe's missing target replies to "
+                   "data.replies_dir (no features, no training): grows the corpus in parts")
     t.set_defaults(fn=cmd_train)
 
     w = sub.add_parser("lower", help="export prefill and the decode loop for TPU/GPU from this host (abstract "

@@ -166,10 +166,11 @@ def test_simulated_path_mal_is_the_engines_greedy_mal(default_model, tmp_path):
     from specjax.drafters import make_drafter
     from specjax.engine import Engine
     from specjax.sampling import SamplingParams
-    from train.data import conversations, regen_sequences
+    from train.data import conversations, encode_prompts, regen_replies
 
     k = 5
-    seqs = regen_sequences(default_model, conversations(6, seed=0, offset=5000), 96, 48, 8)[:4]
+    prompts = encode_prompts(default_model, conversations(6, seed=0, offset=5000), 96)
+    seqs = regen_replies(default_model, prompts, 48, 8)[:4]
     drafter = make_drafter("eagle3@0", k, default_model)
     store = extract_features(default_model, seqs, drafter.hidden_layers, str(tmp_path / "eval"), 160, 4)
     task = Eagle3Task(default_model, store.counts, eval_k=k)

@@ -1,8 +1,9 @@
 """`specjax train DRAFTER --config RECIPE [key=value ...]`: data, features, training, export.
 
 Every stage is resumable, so rerunning the same command after a kill continues where it stopped:
-regenerated sequences are appended to `data/*.jsonl` batch by batch, feature stores are reused when
-complete (both under `data.cache_dir`, default out_dir, which recipes may share), and training
+regenerated replies are added to a corpus batch by batch (`data.replies_dir`, train/replies.py),
+feature stores are reused when complete (under `data.cache_dir`, default out_dir, which recipes
+may share), and training
 resumes from the newest Orbax checkpoint. The trained drafter is exported (bf16 by default) to
 `out_dir/drafter`, loadable with `--drafter KIND:out_dir/drafter`.
 """
@@ -20,57 +21,40 @@ from rich.console import Console
 from train.config import Recipe, RecipeError, load_recipe
 
 
-def _read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    rows = []
-    with open(path) as fh:
-        for line in fh:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:  # a line cut by a kill: dropped, regenerated
-                break
-    return rows
-
-
 def sequences(target, recipe: Recipe, split: str, console: Console) -> list[tuple[list[int], int]]:
-    """Token sequences of one split, cached (and resumable) under out_dir/data."""
-    from train.data import conversations, dataset_sequences, regen_sequences
+    """Token sequences of one split, in conversation order. Training: the first
+    `data.num_prompts` conversations of the shuffled pool; held-out: its last `data.eval_prompts`
+    (always the target's own replies, so the simulator is exact). Replies come from the corpus at
+    `data.replies_dir` (train/replies.py); the missing ones are generated and added batch by batch,
+    so a killed run loses at most one batch."""
+    from train.data import conversations, dataset_sequences, encode_prompts, held_out_conversations, regen_replies
+    from train.replies import Replies, RepliesError
 
     d = recipe.data
-    n = d.num_prompts if split == "train" else d.eval_prompts
-    offset = 0 if split == "train" else d.num_prompts  # eval conversations never overlap training
-    source = d.source if split == "train" else "regen"  # eval text is the target's own (exact simulator)
-    convs = conversations(n, d.seed, offset)
-    os.makedirs(os.path.join(recipe.cache_dir, "data"), exist_ok=True)
-    path = os.path.join(recipe.cache_dir, "data", f"{source}-{split}-{n}.jsonl")
-    done = _read_jsonl(path)
-    if done and done[-1].get("complete"):
-        return [(r["ids"], r["prompt_len"]) for r in done[:-1]]
-    if source == "dataset":
-        seqs = dataset_sequences(target, convs, d.max_prompt_tokens, d.seq_len)
+    if split == "train":
+        convs = conversations(d.num_prompts, d.seed)
+        if d.source == "dataset":
+            return dataset_sequences(target, convs, d.max_prompt_tokens, d.seq_len)
     else:
-        from specjax.generate import encode_prompt
+        convs = held_out_conversations(d.eval_prompts, d.seed)
+    try:
+        corpus = Replies(recipe.replies_dir, target.name, d.max_new_tokens, str(target.dtype))
+    except RepliesError as e:
+        raise RecipeError(str(e)) from None
+    prompts = encode_prompts(target, convs, d.max_prompt_tokens)
+    missing = list({tuple(p): p for p in prompts if corpus.get(p) is None}.values())
+    if missing:
+        t0, done = time.perf_counter(), [0, 0]
 
-        pending = [c for c in convs if len(encode_prompt(target, c[:1])) <= d.max_prompt_tokens]
-        pending.sort(key=lambda c: len(encode_prompt(target, c[:1])))
-        seqs = [(r["ids"], r["prompt_len"]) for r in done]
-        with open(path, "w") as fh:  # rewrite the intact prefix (drops a cut last line)
-            fh.writelines(json.dumps({"ids": ids, "prompt_len": p}) + "\n" for ids, p in seqs)
-        t0, toks = time.perf_counter(), 0
-        for i in range(len(seqs), len(pending), d.gen_batch_size):
-            chunk = pending[i : i + d.gen_batch_size]
-            new = regen_sequences(target, chunk, d.max_prompt_tokens, d.max_new_tokens, d.gen_batch_size)
-            with open(path, "a") as fh:
-                fh.writelines(json.dumps({"ids": ids, "prompt_len": p}) + "\n" for ids, p in new)
-            seqs.extend(new)
-            toks += sum(len(ids) - p for ids, p in new)
-            console.print(f"regen {split}: {len(seqs)}/{len(pending)} replies, "
-                          f"{toks / (time.perf_counter() - t0):.0f} tok/s")
-    with open(path, "w") as fh:
-        fh.writelines(json.dumps({"ids": ids, "prompt_len": p}) + "\n" for ids, p in seqs)
-        fh.write(json.dumps({"complete": True}) + "\n")
-    return seqs
+        def on_batch(rows):
+            corpus.add(rows)
+            done[0] += len(rows)
+            done[1] += sum(len(ids) - p for ids, p in rows)
+            console.print(f"regen {split}: {done[0]}/{len(missing)} new replies ({len(corpus)} in "
+                          f"{corpus.path}), {done[1] / (time.perf_counter() - t0):.0f} tok/s")
+
+        regen_replies(target, missing, d.max_new_tokens, d.gen_batch_size, on_batch)
+    return [corpus.get(p) for p in prompts]
 
 
 def task_class(drafter: str):
@@ -98,7 +82,8 @@ def feature_layers(recipe: Recipe, target) -> tuple[int, ...]:
 def check_before_loading(recipe: Recipe) -> None:
     """What the user can get wrong, checked before the target loads (which takes seconds to
     minutes) and before anything is written: the task, the keys of the model section (against the
-    task's parameters), and that out_dir and data.cache_dir can be created and written."""
+    task's parameters), and that out_dir, data.cache_dir and data.replies_dir can be created and
+    written."""
     import inspect
 
     from specjax.files import check_can_create_dir
@@ -109,13 +94,23 @@ def check_before_loading(recipe: Recipe) -> None:
     unknown = sorted(set(recipe.model) - set(known))
     if unknown:
         raise RecipeError(f"unknown key model.{unknown[0]} for drafter {recipe.drafter} (known: {', '.join(known)})")
+    from train.data import pool_size
+
+    d = recipe.data
+    if d.num_prompts + d.eval_prompts > pool_size():
+        raise RecipeError(f"data.num_prompts + data.eval_prompts must be <= {pool_size()} (the ShareGPT training "
+                          f"pool), got {d.num_prompts} + {d.eval_prompts}")
     check_can_create_dir(recipe.out_dir, "out_dir")
     if recipe.cache_dir != recipe.out_dir:
         check_can_create_dir(recipe.cache_dir, "data.cache_dir")
+    if recipe.data.replies_dir:
+        check_can_create_dir(recipe.data.replies_dir, "data.replies_dir")
 
 
-def run(recipe: Recipe, console: Console | None = None, stop_after: int | None = None) -> dict:
-    """The whole pipeline; returns a summary (also written to out_dir/summary.json)."""
+def run(recipe: Recipe, console: Console | None = None, stop_after: int | None = None,
+        replies_only: bool = False) -> dict:
+    """The whole pipeline; returns a summary (also written to out_dir/summary.json).
+    `replies_only`: stop once both splits' replies are in the corpus; returns their counts."""
     from specjax.models.loading import load_model
     from train.data import extract_features
     from train.loop import fit
@@ -123,6 +118,10 @@ def run(recipe: Recipe, console: Console | None = None, stop_after: int | None =
     console = console or Console(stderr=True)
     check_before_loading(recipe)
     target = load_model(recipe.target, dtype="float32")
+    if replies_only:
+        counts = {split: len(sequences(target, recipe, split, console)) for split in ("train", "eval")}
+        console.print(f"replies: {counts['train']} train, {counts['eval']} held-out sequences in {recipe.replies_dir}")
+        return counts
     layers = feature_layers(recipe, target)
     argv = ["specjax", *sys.argv[1:]] if os.path.basename(sys.argv[0]) == "specjax" else sys.argv
     summary: dict = {"recipe": recipe.to_dict(), "command": " ".join(shlex.quote(a) for a in argv)}
@@ -168,7 +167,8 @@ def run(recipe: Recipe, console: Console | None = None, stop_after: int | None =
 
 
 def main(a) -> int:
-    """Entry from `specjax train` (argparse namespace: args = [DRAFTER] KEY=VALUE..., config, stop_after)."""
+    """Entry from `specjax train` (argparse namespace: args = [DRAFTER] KEY=VALUE..., config, stop_after,
+    replies_only)."""
     overrides = list(a.args)
     if not a.config and not overrides:
         raise RecipeError("train: give a recipe, e.g. `specjax train eagle3 --config configs/eagle3-smollm2.yaml`")
@@ -177,5 +177,5 @@ def main(a) -> int:
     if a.stop_after is not None and a.stop_after < 1:
         raise RecipeError(f"--stop-after must be >= 1, got {a.stop_after}")
     recipe = load_recipe(a.config, overrides)
-    run(recipe, stop_after=a.stop_after)
+    run(recipe, stop_after=a.stop_after, replies_only=a.replies_only)
     return 0

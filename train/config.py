@@ -17,6 +17,7 @@ is checked for its type and its range (`RANGES`) when the recipe loads, before t
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import yaml
@@ -45,6 +46,9 @@ class DataConfig:
     # expensive regeneration and target prefill: a store keeping layers (2, 15, 27) also serves
     # MTP and the draft model, which read only the final hidden state.
     cache_dir: str = ""
+    # The corpus of the target's regenerated replies (train/replies.py), keyed by prompt and only
+    # added to; "" means cache_dir/replies. The shipped recipes keep theirs in the repository.
+    replies_dir: str = ""
 
 
 REQUIRED_TOP = ("drafter", "out_dir", "data", "model", "optim")
@@ -86,6 +90,10 @@ class Recipe:
     @property
     def cache_dir(self) -> str:
         return self.data.cache_dir or self.out_dir
+
+    @property
+    def replies_dir(self) -> str:
+        return self.data.replies_dir or os.path.join(self.cache_dir, "replies")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

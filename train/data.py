@@ -3,9 +3,9 @@
 Two sources of responses, both on ShareGPT prompts (HumanEval and MT-bench are benchmarks and
 never enter training):
 
-* `regen`: the target's own greedy replies, generated in batches by the specjax engine. This is
-  the text a drafter sees at inference, and for greedy data the simulator's teacher-forced
-  acceptance is exact.
+* `regen`: the target's own greedy replies, generated in batches by the specjax engine and kept
+  in a growing corpus (train/replies.py). This is the text a drafter sees at inference, and for
+  greedy data the simulator's teacher-forced acceptance is exact.
 * `dataset`: the conversation's own first reply, labelled by the target's soft distribution.
   Free to build (no generation), but off the target's distribution.
 
@@ -45,11 +45,24 @@ META = "meta.json"
 
 def conversations(num: int, seed: int = 0, offset: int = 0) -> list[list[dict]]:
     """`num` ShareGPT training conversations (the bench sample excluded), shuffled by `seed`."""
+    return _shuffled_pool(seed)[offset : offset + num]
+
+
+def held_out_conversations(num: int, seed: int = 0) -> list[list[dict]]:
+    """The last `num` conversations of the shuffled pool: the held-out split of every recipe, the
+    same whatever `num_prompts` a recipe trains on (so held-out MAL compares across data sizes)."""
+    return _shuffled_pool(seed)[-num:]
+
+
+def pool_size() -> int:
+    return len(sharegpt_split()[1])
+
+
+def _shuffled_pool(seed: int) -> list[list[dict]]:
     _, train = sharegpt_split()
-    rng = random.Random(seed)
     order = list(range(len(train)))
-    rng.shuffle(order)
-    return [train[i] for i in order[offset : offset + num]]
+    random.Random(seed).shuffle(order)
+    return [train[i] for i in order]
 
 
 def dataset_sequences(model: Model, convs, max_prompt: int, seq_len: int) -> list[tuple[list[int], int]]:
@@ -69,25 +82,30 @@ def dataset_sequences(model: Model, convs, max_prompt: int, seq_len: int) -> lis
     return out
 
 
-def regen_sequences(model: Model, convs, max_prompt: int, max_new: int, batch_size: int,
-                    on_batch=None) -> list[tuple[list[int], int]]:
-    """(token ids, prompt length) from each first user turn + the target's greedy reply."""
-    prompts = []
-    for conv in convs:
-        ids = encode_prompt(model, conv[:1])
-        if len(ids) <= max_prompt:
-            prompts.append(ids)
-    prompts.sort(key=len)  # similar lengths share a batch: less padding, fewer shape buckets
+def regen_replies(model: Model, prompts: list[list[int]], max_new: int, batch_size: int,
+                  on_batch=None) -> list[tuple[list[int], int]]:
+    """(prompt + the target's greedy reply, prompt length) for each prompt's token ids, generated
+    `batch_size` at a time in order of length (similar lengths share a batch: less padding, fewer
+    shape buckets); returned in that order."""
+    prompts = sorted(prompts, key=len)
     engine = Engine(model)
     params = SamplingParams(max_new_tokens=max_new)
     out = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
         rows = engine.generate(chunk, [params] * len(chunk), eos_ids=model.config.eos_token_ids)
-        out.extend((p + r.token_ids, len(p)) for p, r in zip(chunk, rows))
+        new = [(p + r.token_ids, len(p)) for p, r in zip(chunk, rows)]
+        out.extend(new)
         if on_batch:
-            on_batch(len(chunk), sum(len(r.token_ids) for r in rows))
+            on_batch(new)
     return out
+
+
+def encode_prompts(model: Model, convs, max_prompt: int) -> list[list[int]]:
+    """Each conversation's first user turn as chat-template token ids, those of at most
+    `max_prompt` tokens, in order."""
+    ids = (encode_prompt(model, conv[:1]) for conv in convs)
+    return [p for p in ids if len(p) <= max_prompt]
 
 
 def _bf16_bits(x) -> np.ndarray:

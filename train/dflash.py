@@ -47,7 +47,7 @@ def block_states(net: DFlash, feats: jax.Array, tokens: jax.Array, anchors: jax.
     ctx_ok = (jnp.arange(t)[None, None] < anchors[..., None])[:, :, None, None, None, :]  # [B, A, 1, 1, 1, T]
     neg, scale = jnp.finfo(jnp.float32).min, 1.0 / math.sqrt(h)
     for layer in net.layers:
-        _, kc, vc = layer.attn.project(ctx, cos_c, sin_c)  # [B, T, KV, H] each
+        _, kc, vc = layer.attn.project(ctx, cos_c, sin_c, queries=False)  # [B, T, KV, H] each
         q, kb, vb = layer.attn.project(layer.attn_norm(x).reshape(b, a * block, -1), cos_b, sin_b)
         q = q.reshape(b, a, block, kv, g, h)  # [B, A, Bk, KV, G, H]
         kb, vb = kb.reshape(b, a, block, kv, h), vb.reshape(b, a, block, kv, h)  # [B, A, Bk, KV, H]

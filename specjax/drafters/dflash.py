@@ -137,7 +137,7 @@ class DFlash(nnx.Module):
         """Context features `[B, T, D]` at rope `positions [B, T]` -> every layer's keys and values
         of them (`[B, T, KV, H]` each), through that layer's own projections."""
         cos, sin = rope_tables(self.cfg.layers, positions)
-        kvs = [layer.attn.project(ctx, cos, sin)[1:] for layer in self.layers]  # (k, v) [B, T, KV, H]
+        kvs = [layer.attn.project(ctx, cos, sin, queries=False)[1:] for layer in self.layers]  # (k, v) [B, T, KV, H]
         return KVUpdate(tuple(k for k, _ in kvs), tuple(v for _, v in kvs))
 
     def block(self, emb: jax.Array, cache: KVCache, positions: jax.Array) -> jax.Array:

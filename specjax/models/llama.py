@@ -135,20 +135,26 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)  # over each head's H
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
 
-    def project(self, x, cos, sin):
-        """x `[B, T, Din]` -> rotated q `[B, T, N, H]`, k and v `[B, T, KV, H]`."""
+    def project(self, x, cos, sin, queries: bool = True):
+        """x `[B, T, Din]` -> rotated q `[B, T, N, H]`, k and v `[B, T, KV, H]`. `queries` False:
+        q is None and only the fused weight's k/v rows are multiplied (context that is attended
+        to but never attends, as DFlash's injected target features)."""
         cfg = self.cfg
         b, t, _ = x.shape
         n, kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = linear(self.qkv[...], x)  # [B, T, (N+2KV)H]
+        lo = 0 if queries else n * h  # first output row computed
+        w = self.qkv[...] if queries else self.qkv[...][lo:]  # [(N+2KV)H - lo, Din]
+        qkv = linear(w, x)  # [B, T, (N+2KV)H - lo]
         if cfg.attention_bias:
-            qkv = qkv + self.qkv_bias[...].astype(qkv.dtype)  # [B, T, (N+2KV)H]
-        q = qkv[..., : n * h].reshape(b, t, n, h)
-        k = qkv[..., n * h : (n + kv) * h].reshape(b, t, kv, h)
-        v = qkv[..., (n + kv) * h :].reshape(b, t, kv, h)
+            bias = self.qkv_bias[...] if queries else self.qkv_bias[...][lo:]
+            qkv = qkv + bias.astype(qkv.dtype)
+        k = qkv[..., n * h - lo : (n + kv) * h - lo].reshape(b, t, kv, h)
+        v = qkv[..., (n + kv) * h - lo :].reshape(b, t, kv, h)
+        q = qkv[..., : n * h].reshape(b, t, n, h) if queries else None
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)  # [B, T, N, H], [B, T, KV, H]
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+            k = self.k_norm(k)  # [B, T, KV, H]
+            q = None if q is None else self.q_norm(q)  # [B, T, N, H]
+        return (None if q is None else apply_rope(q, cos, sin)), apply_rope(k, cos, sin), v
 
     def attend(self, x, cos, sin, k_cache, v_cache, starts, mask=None):
         """x `[B, T, Din]`; k_cache, v_cache `[B*KV, S, H]` (kv_cache.py), read only; starts `[B]`

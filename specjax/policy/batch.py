@@ -41,47 +41,45 @@ AUTO_TREE_NODES = (4, 8, 16, 32)  # --num-draft auto with --tree-topk > 1: tree 
 AUTO_CHAIN_K = (1, 3, 5)  # ... with chains
 
 
-def parse_num_draft(value) -> int | tuple[tuple[int, ...], bool]:
-    """`--num-draft`: K >= 0 (int), or `auto` / `auto:N1,N2` -> (candidates, given explicitly);
-    () candidates: the defaults for the proposal shape. Anything else is a one-line error."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        k = value
-    else:
-        text = str(value).strip().lower()
-        if text == "auto":
-            return (), False
-        if text.startswith("auto:"):
-            try:
-                sizes = tuple(sorted({int(x) for x in text[5:].split(",") if x.strip()}))
-            except ValueError:
-                sizes = ()
-            if not sizes or sizes[0] < 1:
-                raise SpecjaxError(f"--num-draft auto:N1,N2,... takes integers >= 1, got {value!r}")
-            return sizes, True
-        try:
-            k = int(text)
-        except ValueError:
-            raise SpecjaxError(f"--num-draft must be K >= 0, auto or auto:N1,N2,..., got {value!r}") from None
-    if k < 0:
-        raise SpecjaxError(f"--num-draft must be >= 0, got {k}")
-    return k
-
-
-def parse_policy(value) -> str | int:
-    """'auto' | 'always' | N >= 0 (int); anything else is a one-line error."""
+def _word_or_count(value, words: tuple[str, ...], usage: str, negative: str) -> str | int:
+    """`value` as one of `words` (lower case) or an int >= 0; otherwise the one-line SpecjaxError
+    `usage` (neither) or `negative` (a count below 0)."""
     if isinstance(value, int) and not isinstance(value, bool):
         n = value
     else:
         text = str(value).strip().lower()
-        if text in ("auto", "always"):
+        if text in words:
             return text
         try:
             n = int(text)
         except ValueError:
-            raise SpecjaxError(f"--spec-policy must be auto, always or a row count >= 0, got {value!r}") from None
+            raise SpecjaxError(usage.format(value=repr(value))) from None
     if n < 0:
-        raise SpecjaxError(f"--spec-policy row count must be >= 0, got {n}")
+        raise SpecjaxError(negative.format(n=n))
     return n
+
+
+def parse_num_draft(value) -> int | tuple[tuple[int, ...], bool]:
+    """`--num-draft`: K >= 0 (int), or `auto` / `auto:N1,N2` -> (candidates, given explicitly);
+    () candidates: the defaults for the proposal shape. Anything else is a one-line error."""
+    text = str(value).strip().lower()
+    if text.startswith("auto:"):
+        try:
+            sizes = tuple(sorted({int(x) for x in text[5:].split(",") if x.strip()}))
+        except ValueError:
+            sizes = ()
+        if not sizes or sizes[0] < 1:
+            raise SpecjaxError(f"--num-draft auto:N1,N2,... takes integers >= 1, got {value!r}")
+        return sizes, True
+    k = _word_or_count(value, ("auto",), "--num-draft must be K >= 0, auto or auto:N1,N2,..., got {value}",
+                       "--num-draft must be >= 0, got {n}")
+    return ((), False) if k == "auto" else k
+
+
+def parse_policy(value) -> str | int:
+    """'auto' | 'always' | N >= 0 (int); anything else is a one-line error."""
+    return _word_or_count(value, ("auto", "always"), "--spec-policy must be auto, always or a row count >= 0, "
+                          "got {value}", "--spec-policy row count must be >= 0, got {n}")
 
 
 def draft_variants(spec: str | None, num_draft, model, tree_topk: int = 1, tree_depth: int = 0) -> dict:
