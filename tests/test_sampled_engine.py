@@ -27,7 +27,7 @@ N_ROWS = 16_000
 PROMPT = [3, 7, 3, 7, 3]
 SETTINGS = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=1),
             SamplingParams(temperature=0.7, top_k=6, top_p=0.9, max_new_tokens=3, seed=2)]
-WHICH = ["draft_model", "draft_vocab", "draft_gated", "ngram", "ngram_prefix", "dflash", "dflash_tree"]
+WHICH = ["draft_model", "draft_vocab", "draft_gated", "ngram", "ngram_prefix", "dflash", "dflash_tree", "dspark"]
 ALPHA = 1e-3 / (2 * len(SETTINGS) * len(WHICH))
 DRAFT_VOCAB = np.array([0, 2, 3, 5, 7, 8, 11, 14])  # draft tokens: half the vocabulary
 
@@ -52,6 +52,22 @@ def tiny_dflash(target):
     cfg = dflash.DFlashConfig(dataclasses.replace(c, num_layers=1, qk_norm=True),
                               dflash.default_target_layers(c.num_layers, 1), c.num_layers, 3, V - 1, logit_scale=3.0)
     return dflash.DFlashDrafter(2, dflash.init_weights(cfg, seed=2), target)
+
+
+def tiny_dspark(target):
+    """A random one-layer DSpark drafter: K = 2 drafts from a 2-position block, each drawn from
+    its Markov-biased q (the bias scaled up so that the second draft's law depends on the first)."""
+    from specjax.drafters import dflash, dspark
+
+    c = target.config
+    cfg = dspark.DSparkConfig(dataclasses.replace(c, num_layers=1, qk_norm=True),
+                              dflash.default_target_layers(c.num_layers, 1), c.num_layers, 2, V - 1, logit_scale=3.0,
+                              markov_rank=4)
+    w = dspark.init_weights(cfg, seed=3)
+    pure = nnx.to_pure_dict(w.params)
+    pure["markov_w1"], pure["markov_w2"] = pure["markov_w1"] * 60.0, pure["markov_w2"] * 60.0
+    nnx.replace_by_pure_dict(w.params, pure)
+    return dspark.DSparkDrafter(2, w, target)
 
 
 def sharpen(model, scale=4.0):
@@ -136,6 +152,8 @@ def test_sampled_speculative_output_has_target_law(models, which, setting):
         drafter = tiny_dflash(target)
     elif which == "dflash_tree":  # its spine tree: 2 levels, 2 candidates each, deterministic
         drafter = tiny_dflash(target).with_num_draft(4).with_tree(2, 2)
+    elif which == "dspark":  # drafts drawn left to right, each q given the draft before it
+        drafter = tiny_dspark(target)
     else:
         drafter = DraftModelDrafter(2, draft, target.config,
                                     draft_vocab=DRAFT_VOCAB if which == "draft_vocab" else None)
@@ -169,6 +187,28 @@ def test_a_dflash_drafter_with_the_wrong_q_fails_the_law(models):
     sp = SETTINGS[0]
     seeded = [dataclasses.replace(sp, seed=sp.seed * N_ROWS + i) for i in range(N_ROWS)]
     rows = Engine(target).generate([PROMPT] * N_ROWS, seeded, drafter=WrongQ(2, good.weights, target))
+    assert min(law_pvalues(rows, exact_law(target, PROMPT, sp, 3))) < ALPHA
+
+
+def test_a_dspark_drafter_that_reports_q_without_its_markov_bias_fails_the_law(models):
+    """Teeth for DSpark's exact per-draft q: the same drafts (drawn with the Markov bias) handed to
+    the sampler with the backbone's q alone bias the output."""
+    from specjax.drafters import dspark
+    from specjax.drafters.base import draft_token
+
+    class NoBiasQ(dspark.DSparkDrafter):
+        def draft_chain(self, dparams, h, anchor, ctx):
+            draft, _, conf = super().draft_chain(dparams, h, anchor, ctx)
+            base = self._net(dparams).logits(dparams["head"], h)  # [B, K, N]
+            qs = [draft_token(ctx.seeds, j, base[:, j], dparams["d2t"], V, ctx.sampling, False)[1]
+                  for j in range(self.num_draft)]
+            return draft, jnp.stack(qs, axis=1), conf
+
+    target, _ = models
+    good = tiny_dspark(target)
+    sp = SETTINGS[0]
+    seeded = [dataclasses.replace(sp, seed=sp.seed * N_ROWS + i) for i in range(N_ROWS)]
+    rows = Engine(target).generate([PROMPT] * N_ROWS, seeded, drafter=NoBiasQ(2, good.weights, target))
     assert min(law_pvalues(rows, exact_law(target, PROMPT, sp, 3))) < ALPHA
 
 

@@ -104,7 +104,7 @@ class Replies:
             while True:
                 name = os.path.join(self.path, f"part-{i:04d}.jsonl.gz")
                 try:
-                    os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                    os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
                     break
                 except FileExistsError:
                     i += 1

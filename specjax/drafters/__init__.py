@@ -3,7 +3,8 @@
 `make_drafter(spec, num_draft, target)` turns a CLI/API drafter spec into a drafter:
 `none` | `ngram` | `draft[:PATH]` | `mtp[:PATH]` | `eagle3[:PATH][@GATE]` (PATH: a specjax, an
 EAGLE/SpecForge or a `speculators` directory, see eagle3_formats.py) | `dflash[:PATH]` (a specjax
-or a z-lab directory, dflash_formats.py; K defaults to its block size - 1). A bare learned-drafter
+or a z-lab directory, dflash_formats.py; K defaults to its block size - 1) | `dspark[:PATH]` (a
+specjax or a `speculators` directory, dspark.py; K defaults to its block size). A bare learned-drafter
 name means the one shipped for the default model (`shipped/<name>-smollm2-135m/`, see
 `shipped_path`); a bare `mtp` on a target whose checkpoint carries MTP layers (DeepSeek-V3,
 Qwen3-Next, MiMo layouts: mtp_formats.py) means those. specjax's own MTP drafts at most one token
@@ -148,6 +149,13 @@ def _dflash(spec, arg, num_draft, target, dtype, load) -> Drafter:
     return dflash.DFlashDrafter(num_draft or weights.config.max_num_draft, weights, target)
 
 
+def _dspark(spec, arg, num_draft, target, dtype, load) -> Drafter:
+    from specjax.drafters import dspark
+
+    weights = dspark.load(arg or _shipped_or_error("dspark"), target.dtype)
+    return dspark.DSparkDrafter(num_draft or weights.config.max_num_draft, weights, target)
+
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """What specjax knows of one drafter kind before importing it: every name-keyed site (the
@@ -180,6 +188,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("eagle3", "eagle3[:PATH][@GATE]", _eagle3, 5, train_task="train.eagle3:Eagle3Task",
          export_formats=("eagle", "speculators")),
     Kind("dflash", "dflash[:PATH]", _dflash, 0, train_task="train.dflash:DFlashTask", export_formats=("zlab",)),
+    Kind("dspark", "dspark[:PATH]", _dspark, 0),
 )}
 KNOWN = tuple(k.usage for k in KINDS.values())
 DEFAULT_NUM_DRAFT = {k.name: k.default_num_draft for k in KINDS.values() if k.default_num_draft}

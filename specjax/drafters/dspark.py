@@ -1,0 +1,239 @@
+"""DSpark drafter (DeepSeek-AI + PKU, `deepseek-ai/DeepSpec`): DFlash's block backbone, every slot
+a draft, a Markov head that makes the block's drafts sequential, and a confidence head.
+
+Differences from DFlash (dflash.py, whose context, KV injection and commit it keeps):
+
+* **The anchor slot drafts too.** The block is the target's embedding of `[x_m, MASK x (K - 1)]`
+  at positions m .. m + K - 1, and slot j (0-based) drafts x_{m+j+1}: K drafts from K positions,
+  K <= `block_size`.
+* **Markov head.** Slot j's logits are the backbone's plus a low-rank bias from the token before
+  it, `W2 W1[prev_j]` (`W1 [V, r]` over the target vocabulary, `W2 [N, r]` onto the draft
+  vocabulary; prev_0 = x_m, prev_j = the draft of slot j - 1). Drafts are drawn left to right,
+  so draft j's law q_j given the earlier drafts is exact: rejection sampling stays lossless.
+* **Confidence head.** `c_j = sigmoid(w . [h_j; W1[prev_j]] + b)`, the head's estimate that draft
+  j survives given the earlier ones did. It reads only what is known before draft j is drawn
+  (the block's hidden state and the previous token), which is what keeps a verify length chosen
+  from it lossless (a stopping time; the scheduler that uses it is the policy's).
+
+Published checkpoints: vLLM `speculators` DSpark directories (`speculators_model_type: dspark`,
+a Qwen3 `transformer_layer_config`, `aux_hidden_state_layer_ids`, `block_size`, `mask_token_id`,
+`markov_rank`, `enable_confidence_head`, `confidence_head_with_markov`; its layer id k is HF's
+`hidden_states[k]`, specjax's target layer k - 1; tensors as DFlash's plus
+`markov_head.markov_w{1,2}.weight`, `confidence_head.proj.{weight,bias}` and, for a draft
+vocabulary, `lm_head.weight`, `d2t` offsets, `t2d`); see `load_speculators`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.drafters import checkpoint
+from specjax.drafters.base import Proposal, StepContext, draft_token
+from specjax.drafters.dflash import DFlash, DFlashConfig, DFlashDrafter, DFlashState, DFlashWeights
+from specjax.errors import DrafterError, ModelLoadError
+from specjax.models.config import LlamaConfig
+from specjax.models.llama import linear
+
+KIND = "dspark"
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkConfig(DFlashConfig):
+    markov_rank: int = 256  # r of the Markov bias W2 W1[prev]; 0: none (DFlash's logits, every slot a draft)
+    confidence: bool = True  # a confidence head
+    confidence_with_markov: bool = True  # the confidence head also reads W1[prev]
+    own_head: bool = False  # the drafter stores its head rows (speculators' reduced-vocabulary lm_head)
+
+    @property
+    def max_num_draft(self) -> int:
+        return self.block_size
+
+    @property
+    def head_size(self) -> int:
+        return self.draft_vocab_size or self.layers.vocab_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "drafter": KIND}
+
+    def check(self, source: str) -> None:
+        super().check(source)
+        if self.markov_rank < 0:
+            raise DrafterError(f"{source}: markov_rank must be >= 0, got {self.markov_rank}")
+        if self.confidence and self.confidence_with_markov and not self.markov_rank:
+            raise DrafterError(f"{source}: a confidence head that reads the Markov embedding needs markov_rank > 0")
+
+
+class DSpark(DFlash):
+    """DFlash's network plus the Markov and confidence heads. Shapes: D hidden, r rank, N head rows."""
+
+    def __init__(self, cfg: DSparkConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        super().__init__(cfg, rngs=rngs, dtype=dtype)
+        d, r, v = cfg.hidden_size, cfg.markov_rank, cfg.layers.vocab_size
+        init = nnx.initializers.normal(0.01)
+        if r:
+            self.markov_w1 = nnx.Param(init(rngs.params(), (v, r), dtype))  # [V, r]
+            self.markov_w2 = nnx.Param(init(rngs.params(), (cfg.head_size, r), dtype))  # [N, r]
+        if cfg.confidence:
+            width = d + (r if cfg.confidence_with_markov else 0)
+            self.conf_w = nnx.Param(init(rngs.params(), (1, width), dtype))  # [1, D (+ r)]
+            self.conf_b = nnx.Param(jnp.zeros((1,), dtype))  # [1]
+        if cfg.own_head:
+            self.head = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.head_size, d), dtype))  # [N, D]
+
+    def prev_embed(self, prev: jax.Array) -> jax.Array | None:
+        """Previous tokens `[...]` (target ids) -> `W1[prev]` `[..., r]` (None without a Markov head)."""
+        return jnp.take(self.markov_w1[...], prev, axis=0) if self.cfg.markov_rank else None
+
+    def markov_bias(self, e: jax.Array | None) -> jax.Array | float:
+        """`W1[prev]` `[..., r]` -> the logit bias `[..., N]` (0 without a Markov head)."""
+        return 0.0 if e is None else linear(self.markov_w2[...], e, jnp.float32)
+
+    def confidence(self, h: jax.Array, e: jax.Array | None) -> jax.Array:
+        """Block hidden `[..., D]` and `W1[prev]` `[..., r]` -> P(draft survives) `[...]` (1 without a head)."""
+        if not self.cfg.confidence:
+            return jnp.ones(h.shape[:-1], jnp.float32)
+        x = jnp.concatenate([h, e], axis=-1) if self.cfg.confidence_with_markov else h  # [..., D (+ r)]
+        return jax.nn.sigmoid(linear(self.conf_w[...], x, jnp.float32)[..., 0] + self.conf_b[...][0])
+
+
+def init_weights(cfg: DSparkConfig, d2t: np.ndarray | None = None, seed: int = 0, dtype=jnp.float32) -> DFlashWeights:
+    cfg.check("DSpark config")
+    graphdef, params = nnx.split(DSpark(cfg, rngs=nnx.Rngs(seed), dtype=dtype))
+    return DFlashWeights(cfg, graphdef, params, None if d2t is None else jnp.asarray(d2t, jnp.int32), "random")
+
+
+def load(path: str, dtype=jnp.float32) -> DFlashWeights:
+    """A DSpark drafter from a specjax directory (`save` of dflash.py) or a speculators one."""
+    raw = checkpoint.read_config(path, None, "DSpark")
+    if raw.get("speculators_model_type") == KIND:
+        return load_speculators(path, raw, dtype)
+    if raw.get("drafter") != KIND:
+        raise DrafterError(f"{path}/config.json is neither a specjax nor a speculators DSpark config")
+    cfg = DSparkConfig.from_dict(raw, f"{path}/{checkpoint.CONFIG_FILE}")
+    arrays = checkpoint.read_tensors(path, "DSpark")
+    return build_weights(cfg, arrays, arrays.pop("d2t", None), f"{path}/{checkpoint.WEIGHTS_FILE}", dtype)
+
+
+def build_weights(cfg: DSparkConfig, arrays: dict, d2t, source: str, dtype) -> DFlashWeights:
+    """Weights from params by NNX path and an optional draft vocabulary map, all checked."""
+    cfg.check(source)
+    v, n = cfg.layers.vocab_size, cfg.draft_vocab_size
+    if n:
+        d2t = None if d2t is None else np.asarray(d2t)
+        if d2t is None or d2t.shape != (n,) or d2t.min() < 0 or d2t.max() >= v or len(np.unique(d2t)) != n:
+            raise DrafterError(f"{source}: the draft vocabulary map must hold {n} distinct target ids in [0, {v})")
+    elif d2t is not None:
+        raise DrafterError(f"{source}: a draft vocabulary map ('d2t') but no draft_vocab_size in the config")
+    graphdef, params = checkpoint.fill(lambda: DSpark(cfg, rngs=nnx.Rngs(0), dtype=dtype), arrays, source, dtype)
+    return DFlashWeights(cfg, graphdef, params, None if d2t is None else jnp.asarray(d2t, jnp.int32), source)
+
+
+def load_speculators(path: str, raw: dict, dtype) -> DFlashWeights:
+    """A speculators `DSparkDraftModel` directory (module doc for the layout)."""
+    from specjax.drafters.eagle3_formats import _draft_map
+    from specjax.models.loading import _flatten
+    from specjax.models.loading.hf import open_checkpoint
+    from specjax.models.loading.mapping import checked_getter, layer_from_hf
+
+    source = f"DSpark drafter {path}"
+    if raw.get("markov_head_type", "vanilla") != "vanilla":
+        raise DrafterError(f"{source}: markov_head_type {raw['markov_head_type']!r} is not supported (vanilla only)")
+    if not raw.get("sample_from_anchor", True):
+        raise DrafterError(f"{source}: sample_from_anchor false is DFlash's block layout; load it as dflash")
+    tl = raw.get("transformer_layer_config") or {}
+    try:
+        lc = LlamaConfig.from_hf({**tl, "architectures": [], "model_type": "qwen3"})
+    except ModelLoadError as e:
+        raise DrafterError(f"{source}: drafter layers: {e}") from None
+    lc = LlamaConfig(**{**lc.to_dict(), "eos_token_ids": (), "bos_token_id": None})
+    v, n = lc.vocab_size, int(raw.get("draft_vocab_size") or lc.vocab_size)
+    ids, mask = raw.get("aux_hidden_state_layer_ids"), raw.get("mask_token_id")
+    if not ids or mask is None:
+        raise DrafterError(f"{source}: needs aux_hidden_state_layer_ids and mask_token_id")
+    if min(int(i) for i in ids) < 1:  # speculators' id k is HF hidden_states[k]: layer k - 1's output
+        raise DrafterError(f"{source}: aux_hidden_state_layer_ids {ids} include 0, the embedding output")
+    rank = int(raw.get("markov_rank", 256))
+    conf = bool(raw.get("enable_confidence_head", True))
+    try:
+        get, names = open_checkpoint(path)
+        own_head = "lm_head.weight" in names
+        cfg = DSparkConfig(layers=lc, target_layers=tuple(int(i) - 1 for i in ids), target_num_layers=0,
+                           block_size=int(raw.get("block_size", 8)), mask_token_id=int(mask),
+                           draft_vocab_size=0 if n == v and not own_head else n, markov_rank=rank,
+                           confidence=conf, confidence_with_markov=bool(raw.get("confidence_head_with_markov", True)),
+                           own_head=own_head)
+        read = {"d2t", "t2d", "embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight"}
+        fetch = checked_getter(lambda name: read.add(name) or get(name))
+        d = lc.hidden_size
+        pure: dict = {"fc": fetch("fc.weight", (d, len(cfg.target_layers) * d)),
+                      "hidden_norm": {"scale": fetch("hidden_norm.weight", (d,))},
+                      "norm": {"scale": fetch("norm.weight", (d,))},
+                      "layers": {i: layer_from_hf(lc, fetch, f"layers.{i}.") for i in range(lc.num_layers)}}
+        if rank:
+            pure["markov_w1"] = fetch("markov_head.markov_w1.weight", (v, rank))
+            pure["markov_w2"] = fetch("markov_head.markov_w2.weight", (cfg.head_size, rank))
+        if conf:
+            width = d + (rank if cfg.confidence_with_markov else 0)
+            pure["conf_w"] = fetch("confidence_head.proj.weight", (1, width))
+            pure["conf_b"] = fetch("confidence_head.proj.bias", (1,))
+        if own_head:
+            pure["head"] = fetch("lm_head.weight", (cfg.head_size, d))
+        d2t = _draft_map(get, names, n, v, source) if cfg.draft_vocab_size else None
+    except ModelLoadError as e:
+        raise DrafterError(f"{source}: {str(e).splitlines()[0]}") from None
+    extra = sorted(set(names) - read)
+    if extra:
+        raise DrafterError(f"{source}: tensors specjax's DSpark has no place for: {extra[:3]}")
+    return build_weights(cfg, dict(_flatten(pure)), d2t, source, dtype)
+
+
+class DSparkDrafter(DFlashDrafter):
+    """K <= block_size sequential drafts from one backbone pass over `[x_m, MASK x (K - 1)]`."""
+
+    name = KIND
+
+    def max_tree_nodes(self, topk: int, depth: int) -> int:
+        return 0  # the Markov head makes each draft depend on the one before: chains
+
+    def params(self):
+        p = super().params()
+        return {**p, "head": None} if self.weights.config.own_head else p  # its own rows: `net.head`
+
+    def block_hidden(self, dparams, st: DFlashState, history: jax.Array, hist_len: jax.Array) -> jax.Array:
+        """The backbone's normed hidden `[B, K, D]` of the block after each row's last token."""
+        net, k = self._net(dparams), self.num_draft
+        b = history.shape[0]
+        m = st.cache.lengths  # [B] = hist_len - 1
+        last = jnp.take_along_axis(history, (hist_len - 1)[:, None], axis=1)  # [B, 1]
+        block = jnp.concatenate([last, jnp.full((b, k - 1), self.weights.config.mask_token_id, last.dtype)], axis=1)
+        emb = jnp.take(dparams["embed"], block, axis=0) * self.weights.config.embed_scale  # [B, K, D]
+        return net.block(emb.astype(net.fc[...].dtype), st.cache, m[:, None] + jnp.arange(k)[None])  # [B, K, D]
+
+    def draft_chain(self, dparams, h: jax.Array, anchor: jax.Array, ctx: StepContext):
+        """Block hidden `[B, K, D]`, anchor tokens `[B]` -> drafts `[B, K]`, q `[B, K, V]` (None when
+        greedy), confidences `[B, K]`: slot j's logits get the Markov bias of the token before it."""
+        net = self._net(dparams)
+        base = net.logits(net.head[...] if self.weights.config.own_head else dparams["head"], h)  # [B, K, N]
+        prev, drafts, qs, confs = anchor, [], [], []
+        for j in range(self.num_draft):
+            e = net.prev_embed(prev)  # [B, r]
+            tok, q = draft_token(ctx.seeds, j, base[:, j] + net.markov_bias(e), dparams["d2t"],
+                                 self.target.config.vocab_size, ctx.sampling, ctx.all_greedy)  # [B], [B, V]
+            confs.append(net.confidence(h[:, j], e))  # [B]
+            drafts.append(tok)
+            qs.append(q)
+            prev = tok
+        q = None if ctx.all_greedy else jnp.stack(qs, axis=1)  # [B, K, V]
+        return jnp.stack(drafts, axis=1).astype(jnp.int32), q, jnp.stack(confs, axis=1)
+
+    def propose(self, dparams, st: DFlashState, ctx: StepContext):
+        h = self.block_hidden(dparams, st, ctx.history, ctx.hist_len)  # [B, K, D]
+        anchor = jnp.take_along_axis(ctx.history, (ctx.hist_len - 1)[:, None], axis=1)[:, 0]  # [B]
+        draft, q, _ = self.draft_chain(dparams, h, anchor, ctx)
+        return Proposal(draft, q), st

@@ -1,0 +1,142 @@
+"""DSpark drafters against the references: a checkpoint `speculators`' `DSparkDraftModel` saves
+loads in specjax; its backbone's block hidden states equal z-lab's DFlash network on the same
+weights (the layers are the same code), and the Markov-biased logits and confidences equal
+speculators' own heads on them, slot by slot along the greedy chain; greedy decoding is
+token-identical to plain decoding; bad checkpoints are one line."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from dflash.model import DFlashDraftModel as ZlabDFlash  # the backbone's reference
+from speculators.config import SpeculatorsConfig, VerifierConfig
+from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+from speculators.proposals.greedy import GreedyTokenProposalConfig
+from test_dflash import BLOCK, LAYER_IDS, MASK, D, L, V, specjax_state, target, target_dir  # noqa: F401
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from helpers import rel_err
+from specjax.drafters import make_drafter
+from specjax.drafters.base import StepContext
+from specjax.engine import Engine
+from specjax.errors import DrafterError
+from specjax.sampling import SamplingArrays, SamplingParams
+
+RANK = 12
+
+
+def speculators_dspark(target_dir, draft_vocab: int = V, seed: int = 0, **flags) -> DSparkDraftModel:  # noqa: F811
+    """A random speculators DSpark drafter for the tiny target (eager attention, CPU)."""
+    torch.manual_seed(seed)
+    layer = Qwen3Config(vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6)
+    layer._attn_implementation = "eager"
+    cfg = DSparkSpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=draft_vocab, block_size=BLOCK, mask_token_id=MASK,
+        aux_hidden_state_layer_ids=[i + 1 for i in LAYER_IDS], markov_rank=RANK,
+        speculators_config=SpeculatorsConfig(
+            algorithm="dspark", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=BLOCK)],
+            default_proposal_method="greedy", verifier=VerifierConfig.from_pretrained(target_dir)),
+        **flags)
+    model = DSparkDraftModel(cfg)
+    if draft_vocab < V:
+        ids = torch.from_numpy(np.sort(np.random.RandomState(seed).choice(V, draft_vocab, replace=False)))
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[ids] = True
+        model.load_vocab_mappings(t2d, ids - torch.arange(draft_vocab))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif not name.startswith(("embed_tokens", "verifier_")):
+                p.copy_(0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+def zlab_backbone(model: DSparkDraftModel) -> ZlabDFlash:
+    """z-lab's DFlash network holding the DSpark backbone's weights."""
+    tl = model.config.transformer_layer_config
+    cfg = Qwen3Config(**{k: getattr(tl, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                       "num_hidden_layers", "num_attention_heads",
+                                                       "num_key_value_heads", "head_dim", "rms_norm_eps")})
+    cfg.block_size, cfg.num_target_layers = BLOCK, L
+    cfg.dflash_config = {"mask_token_id": MASK, "target_layer_ids": LAYER_IDS}
+    ref = ZlabDFlash(cfg).eval()
+    missing, _ = ref.load_state_dict(model.state_dict(), strict=False)
+    assert not [m for m in missing if not m.startswith("rotary")], missing
+    return ref
+
+
+@pytest.mark.parametrize("draft_vocab", [V, 40])
+def test_speculators_checkpoint_matches_the_references(target_dir, target, tmp_path, draft_vocab):  # noqa: F811
+    model = speculators_dspark(target_dir, draft_vocab)
+    model.save_pretrained(str(tmp_path))
+    drafter = make_drafter(f"dspark:{tmp_path}", 0, target)
+    assert drafter.num_draft == BLOCK and drafter.hidden_layers == tuple(LAYER_IDS)
+    tokens, last = np.array([3, 9, 27, 81, 50, 6, 18]), 54
+    hf = Qwen3ForCausalLM.from_pretrained(target_dir).eval()
+    with torch.no_grad():
+        out = hf(torch.as_tensor(tokens)[None], output_hidden_states=True)
+    hidden_states = [x.numpy() for x in out.hidden_states]
+    dparams = drafter.params()
+    st, history = specjax_state(drafter, dparams, hidden_states, tokens, last)
+    hist_len = jnp.asarray([len(tokens) + 1])
+    h = drafter.block_hidden(dparams, st, history, hist_len)  # [1, K, D]
+    # the backbone: z-lab's network over the same context and block [last, MASK x (K - 1)]
+    feats = torch.cat([out.hidden_states[i + 1] for i in LAYER_IDS], dim=-1)
+    block = torch.as_tensor([[last] + [MASK] * (BLOCK - 1)])
+    with torch.no_grad():
+        h_ref = zlab_backbone(model)(target_hidden=feats, noise_embedding=hf.get_input_embeddings()(block),
+                                     position_ids=torch.arange(len(tokens) + BLOCK)[None])  # [1, K, D]
+    assert rel_err(np.asarray(h), h_ref.numpy()) < 1e-5
+    # the heads along the greedy chain: slot j's bias reads the token before it
+    ctx = StepContext(history, hist_len, SamplingArrays.from_params([SamplingParams()]),
+                      jnp.zeros((1,), jnp.uint32), True, jnp.asarray([True]), False)
+    draft, q, conf = drafter.draft_chain(dparams, h, jnp.asarray([last]), ctx)
+    assert q is None
+    prev = torch.as_tensor(np.concatenate([[last], np.asarray(draft)[0, :-1]]))[None]  # [1, K]
+    h_t = torch.from_numpy(np.array(h))
+    with torch.no_grad():
+        head = model.lm_head if draft_vocab < V else hf.lm_head
+        logits = head(h_t) + model.markov_head.block_bias(prev_token_ids=prev, hidden_states=h_t)  # [1, K, N]
+        e = model.markov_head.prev_embeddings(prev)
+        conf_ref = torch.sigmoid(model.confidence_head(torch.cat([h_t, e], dim=-1)))
+    ids = np.arange(V) if draft_vocab == V else np.asarray(model.d2t) + np.arange(draft_vocab)
+    assert np.asarray(draft)[0].tolist() == ids[logits[0].argmax(-1).numpy()].tolist()
+    assert rel_err(np.asarray(conf), conf_ref.numpy()) < 1e-5
+    net = drafter._net(dparams)
+    ours = np.asarray(net.logits(net.head[...] if draft_vocab < V else dparams["head"], h)
+                      + net.markov_bias(net.prev_embed(jnp.asarray(prev.numpy()))))
+    assert rel_err(ours, logits.numpy()) < 1e-5
+
+
+def test_greedy_dspark_equals_plain_on_a_qwen3_target(target_dir, target, tmp_path):  # noqa: F811
+    speculators_dspark(target_dir, 40, seed=2).save_pretrained(str(tmp_path))
+    engine = Engine(target)
+    prompts = [[3, 5, 7, 11, 2, 4], [13, 17], [1, 2, 3, 1, 2, 3, 1, 2]]
+    params = [SamplingParams(max_new_tokens=24)] * len(prompts)
+    plain = [r.token_ids for r in engine.generate(prompts, params)]
+    for k in (1, BLOCK):
+        drafter = make_drafter(f"dspark:{tmp_path}", k, target)
+        assert [r.token_ids for r in engine.generate(prompts, params, drafter=drafter)] == plain
+
+
+def test_bad_dspark_checkpoints_are_one_line(target_dir, target, tmp_path):  # noqa: F811
+    src = tmp_path / "src"
+    speculators_dspark(target_dir).save_pretrained(str(src))
+    with pytest.raises(DrafterError, match=f"1..{BLOCK} tokens per step"):
+        make_drafter(f"dspark:{src}", BLOCK + 1, target)
+    with pytest.raises(DrafterError, match="drafts chains only"):
+        make_drafter(f"dspark:{src}", 4, target, tree_topk=2, tree_depth=2)
+    raw = json.loads((src / "config.json").read_text())
+    for change, match in [({"markov_head_type": "rnn"}, "vanilla only"),
+                          ({"sample_from_anchor": False}, "load it as dflash"),
+                          ({"aux_hidden_state_layer_ids": [0, 2]}, "embedding output"),
+                          ({"markov_rank": RANK + 1}, "markov_w1")]:
+        (src / "config.json").write_text(json.dumps({**raw, **change}))
+        with pytest.raises(DrafterError, match=match):
+            make_drafter(f"dspark:{src}", 0, target)
