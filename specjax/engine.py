@@ -348,7 +348,8 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
     if pol is not None:
         force_verify = force_verify | (pol.mode == FORCE)
     if k > 0:
-        ctx = StepContext(st.history, st.hist_len, samp, draft_seeds, all_greedy, on, force_verify)
+        ctx = StepContext(st.history, st.hist_len, samp, draft_seeds, all_greedy, on, force_verify,
+                          None if pol is None else pol.costs)
         if pol is not None and drafter.proposal_optional:
             # No row may verify this step: skip the drafter's work (a plain step follows, and its
             # commit keeps the drafter's state current, or is deferred until the drafter is needed).

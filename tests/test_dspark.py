@@ -140,3 +140,48 @@ def test_bad_dspark_checkpoints_are_one_line(target_dir, target, tmp_path):  # n
         (src / "config.json").write_text(json.dumps({**raw, **change}))
         with pytest.raises(DrafterError, match=match):
             make_drafter(f"dspark:{src}", 0, target)
+
+
+def test_schedule_stops_at_the_first_length_that_does_not_pay():
+    from specjax.drafters.dspark import DSparkDrafter
+
+    costs = jnp.asarray([1.0, 1.2, 1.5, 1.8])
+    conf = jnp.asarray([[0.9, 0.9, 0.9],  # E = 1, 1.9, 2.71, 3.44: rates 1, 1.58, 1.81, 1.91 -> 3
+                        [0.9, 0.2, 0.99],  # rates 1, 1.58, 1.24 -> stop at 1 (the 3rd would pay again)
+                        [0.1, 0.99, 0.99],  # 1.1 / 1.2 < 1 -> 0
+                        [1.0, 1.0, 0.0]])  # 1, 1.67, 2, 1.67 -> 2
+    assert DSparkDrafter.schedule(conf, costs).tolist() == [3, 1, 0, 2]
+
+
+def test_greedy_dspark_with_scheduled_lengths_equals_plain(target_dir, target, tmp_path):  # noqa: F811
+    """Under a cost table each row verifies the length its confidences pick (several lengths occur)."""
+    from specjax.policy.rows import ALWAYS
+
+    speculators_dspark(target_dir, seed=4).save_pretrained(str(tmp_path))
+    engine = Engine(target)
+    prompts = [[3, 5, 7, 11, 2, 4], [13, 17], [1, 2, 3, 1, 2, 3, 1, 2], [9] * 5]
+    params = [SamplingParams(max_new_tokens=32)] * len(prompts)
+    plain = [r.token_ids for r in engine.generate(prompts, params)]
+    drafter = make_drafter(f"dspark:{tmp_path}", 0, target)
+    assert drafter.verify_lengths == (1, 2, 4, 5)
+    costs = np.asarray([1.0, 1.05, 1.1, 1.2, 1.3, 1.4], np.float32)
+    rows = engine.generate(prompts, params, drafter=drafter, spec_mode=ALWAYS, costs=costs)
+    assert [r.token_ids for r in rows] == plain
+    assert sum(r.checked[0] for r in rows) > 0
+    # what the schedule handed the engine: lengths from the confidences, fewer under steeper costs
+    tokens, last = np.array([3, 9, 27, 81, 50, 6, 18]), 54
+    hf = Qwen3ForCausalLM.from_pretrained(target_dir).eval()
+    with torch.no_grad():
+        hidden_states = [x.numpy() for x in hf(torch.as_tensor(tokens)[None], output_hidden_states=True).hidden_states]
+    dparams = drafter.params()
+    st, history = specjax_state(drafter, dparams, hidden_states, tokens, last)
+    samp = SamplingArrays.from_params([SamplingParams()])
+    lengths = []
+    for step_cost in (0.0, 0.01, 0.3, 2.0):
+        table = jnp.asarray(1.0 + step_cost * np.arange(BLOCK + 1), jnp.float32)
+        ctx = StepContext(history, jnp.asarray([len(tokens) + 1]), samp, jnp.zeros((1,), jnp.uint32), True,
+                          jnp.asarray([True]), False, table)
+        proposal, _ = drafter.propose(dparams, st, ctx)
+        assert bool(proposal.active[0]) == (int(proposal.length[0]) > 0)
+        lengths.append(int(proposal.length[0]))
+    assert lengths[0] == BLOCK and lengths[-1] == 0 and lengths == sorted(lengths, reverse=True), lengths

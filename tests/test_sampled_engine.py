@@ -212,6 +212,57 @@ def test_a_dspark_drafter_that_reports_q_without_its_markov_bias_fails_the_law(m
     assert min(law_pvalues(rows, exact_law(target, PROMPT, sp, 3))) < ALPHA
 
 
+def scheduled_dspark(target, lossy: bool = False):
+    """`tiny_dspark` with a confidence head that reads the token before each draft alone:
+    c = 0.73 after tokens t = 0 mod 3, ~1 after t = 1 mod 3, ~0 after t = 2 mod 3. Under costs
+    [1, 1.9, 2.0] the early stop verifies nothing after an anchor of the first class, while the
+    best L over the whole scan verifies both drafts there unless the first draft is of the third
+    class: the first draft's value then decides whether it is verified (`lossy`)."""
+    from specjax.drafters import dspark
+
+    base = tiny_dspark(target)
+    w = base.weights
+    pure = nnx.to_pure_dict(w.params)
+    score = np.array([1.0, 6.0, -6.0])[np.arange(V) % 3]  # [V]
+    w1 = np.array(pure["markov_w1"])
+    w1[:, 0] = score
+    pure["markov_w1"] = jnp.asarray(w1)
+    conf_w = np.zeros(pure["conf_w"].shape, np.float32)
+    conf_w[0, w.config.hidden_size] = 1.0  # reads W1[prev][0] = score[prev]
+    pure["conf_w"], pure["conf_b"] = jnp.asarray(conf_w), jnp.zeros((1,), jnp.float32)
+    nnx.replace_by_pure_dict(w.params, pure)
+
+    class GlobalBest(dspark.DSparkDrafter):
+        @staticmethod
+        def schedule(conf, costs):
+            b, k = conf.shape
+            expect = 1.0 + jnp.concatenate([jnp.zeros((b, 1)), jnp.cumsum(jnp.cumprod(conf, axis=1), axis=1)], 1)
+            return jnp.argmax(expect / costs[None], axis=1).astype(jnp.int32)
+
+    return (GlobalBest if lossy else dspark.DSparkDrafter)(2, w, target)
+
+
+@pytest.mark.parametrize("lossy", [False, True])
+def test_dspark_confidence_scheduled_length_keeps_the_law_only_with_the_early_stop(models, lossy):
+    """The verify length chosen from DSpark's confidences under a cost table: lossless with the
+    paper's early stop; choosing the best length over the whole scan fails the G-test."""
+    from specjax.policy.rows import ALWAYS
+
+    target, _ = models
+    drafter = scheduled_dspark(target, lossy)
+    sp = SETTINGS[0]
+    seeded = [dataclasses.replace(sp, seed=sp.seed * N_ROWS + i) for i in range(N_ROWS)]
+    rows = Engine(target).generate([PROMPT] * N_ROWS, seeded, drafter=drafter, spec_mode=ALWAYS,
+                                   costs=np.array([1.0, 1.9, 2.0], np.float32))
+    pvalues = law_pvalues(rows, exact_law(target, PROMPT, sp, 3))
+    checked = np.sum([r.checked for r in rows], axis=0)
+    assert checked[0] > 0 and checked[1] > 0  # both lengths were verified
+    if lossy:
+        assert min(pvalues) < ALPHA
+    else:
+        assert min(pvalues) > ALPHA, pvalues
+
+
 # ---- per-row random streams (specjax/sampling.py) ----------------------------------------------
 
 def test_a_sampled_row_depends_on_its_seed_not_on_its_batch(models):

@@ -74,6 +74,9 @@ class StepContext:
     # not run (its remaining drafts would be thrown away). None: unknown (e.g. timing propose alone).
     live: Any = None  # [B] bool
     force_verify: Any = False  # bool or traced [] bool
+    # The speculation policy's step costs `[K + 1]` f32 (verifying L drafts costs costs[L] plain
+    # steps), for drafters that choose their own verify length; None: no policy, no table.
+    costs: Any = None
 
 
 @struct.dataclass

@@ -13,7 +13,17 @@ Differences from DFlash (dflash.py, whose context, KV injection and commit it ke
 * **Confidence head.** `c_j = sigmoid(w . [h_j; W1[prev_j]] + b)`, the head's estimate that draft
   j survives given the earlier ones did. It reads only what is known before draft j is drawn
   (the block's hidden state and the previous token), which is what keeps a verify length chosen
-  from it lossless (a stopping time; the scheduler that uses it is the policy's).
+  from it lossless.
+* **Confidence-scheduled verify length.** Under a speculation policy (which hands the drafter its
+  measured step costs), each row verifies the prefix that maximises its expected emitted tokens
+  per unit of step cost, E(L) / costs[L] with E(L) = 1 + sum_{j <= L} prod_{i <= j} c_i, scanning
+  L = 0, 1, ... and stopping at the first L whose successor does not improve (`schedule`). Whether
+  draft j is verified then depends only on c_1..c_j, known before draft j is drawn: a stopping
+  time, so the output law is the target's. Taking the best L over the whole scan instead would
+  let draft j's own value decide whether it is verified (through c_{j+1}), which biases the
+  output (DSpark paper, Appendix A; tests/test_sampled_engine.py shows both). The engine verifies
+  the shortest of `verify_lengths` that holds each row's L (rounding a stopping time up to a
+  bucket keeps it one), and the row policy decides across the batch which rows verify at all.
 
 Published checkpoints: vLLM `speculators` DSpark directories (`speculators_model_type: dspark`,
 a Qwen3 `transformer_layer_config`, `aux_hidden_state_layer_ids`, `block_size`, `mask_token_id`,
@@ -201,6 +211,11 @@ class DSparkDrafter(DFlashDrafter):
     def max_tree_nodes(self, topk: int, depth: int) -> int:
         return 0  # the Markov head makes each draft depend on the one before: chains
 
+    @property
+    def verify_lengths(self) -> tuple[int, ...]:
+        k = self.num_draft
+        return tuple(sorted({1 << i for i in range(k.bit_length()) if 1 << i < k} | {k})) if k else ()
+
     def params(self):
         p = super().params()
         return {**p, "head": None} if self.weights.config.own_head else p  # its own rows: `net.head`
@@ -235,5 +250,19 @@ class DSparkDrafter(DFlashDrafter):
     def propose(self, dparams, st: DFlashState, ctx: StepContext):
         h = self.block_hidden(dparams, st, ctx.history, ctx.hist_len)  # [B, K, D]
         anchor = jnp.take_along_axis(ctx.history, (ctx.hist_len - 1)[:, None], axis=1)[:, 0]  # [B]
-        draft, q, _ = self.draft_chain(dparams, h, anchor, ctx)
-        return Proposal(draft, q), st
+        draft, q, conf = self.draft_chain(dparams, h, anchor, ctx)
+        if ctx.costs is None or not self.weights.config.confidence:
+            return Proposal(draft, q), st
+        want = self.schedule(conf, ctx.costs)  # [B]
+        return Proposal(draft, q, active=want > 0, length=want), st
+
+    @staticmethod
+    def schedule(conf: jax.Array, costs: jax.Array) -> jax.Array:
+        """Confidences `[B, K]` and step costs `[K + 1]` -> drafts each row verifies `[B]`: the
+        first L (from 0) at which verifying one more draft does not raise the expected emitted
+        tokens per unit of cost (module doc: the early stop that keeps it lossless)."""
+        b, k = conf.shape
+        expect = 1.0 + jnp.concatenate([jnp.zeros((b, 1)), jnp.cumsum(jnp.cumprod(conf, axis=1), axis=1)], axis=1)
+        rate = expect / costs[None, : k + 1]  # [B, K + 1]
+        stop = rate[:, 1:] <= rate[:, :-1]  # [B, K]: L + 1 is no better than L
+        return jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1), k).astype(jnp.int32)
