@@ -188,7 +188,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("eagle3", "eagle3[:PATH][@GATE]", _eagle3, 5, train_task="train.eagle3:Eagle3Task",
          export_formats=("eagle", "speculators")),
     Kind("dflash", "dflash[:PATH]", _dflash, 0, train_task="train.dflash:DFlashTask", export_formats=("zlab",)),
-    Kind("dspark", "dspark[:PATH]", _dspark, 0),
+    Kind("dspark", "dspark[:PATH]", _dspark, 0, train_task="train.dspark:DSparkTask"),
 )}
 KNOWN = tuple(k.usage for k in KINDS.values())
 DEFAULT_NUM_DRAFT = {k.name: k.default_num_draft for k in KINDS.values() if k.default_num_draft}

@@ -104,12 +104,16 @@ class DSpark(DFlash):
         """`W1[prev]` `[..., r]` -> the logit bias `[..., N]` (0 without a Markov head)."""
         return 0.0 if e is None else linear(self.markov_w2[...], e, jnp.float32)
 
+    def confidence_logit(self, h: jax.Array, e: jax.Array | None) -> jax.Array:
+        """Block hidden `[..., D]` and `W1[prev]` `[..., r]` -> the confidence head's logit `[...]`."""
+        x = jnp.concatenate([h, e], axis=-1) if self.cfg.confidence_with_markov else h  # [..., D (+ r)]
+        return linear(self.conf_w[...], x, jnp.float32)[..., 0] + self.conf_b[...][0]
+
     def confidence(self, h: jax.Array, e: jax.Array | None) -> jax.Array:
-        """Block hidden `[..., D]` and `W1[prev]` `[..., r]` -> P(draft survives) `[...]` (1 without a head)."""
+        """P(draft survives | the earlier ones did) `[...]` (1 without a confidence head)."""
         if not self.cfg.confidence:
             return jnp.ones(h.shape[:-1], jnp.float32)
-        x = jnp.concatenate([h, e], axis=-1) if self.cfg.confidence_with_markov else h  # [..., D (+ r)]
-        return jax.nn.sigmoid(linear(self.conf_w[...], x, jnp.float32)[..., 0] + self.conf_b[...][0])
+        return jax.nn.sigmoid(self.confidence_logit(h, e))
 
 
 def init_weights(cfg: DSparkConfig, d2t: np.ndarray | None = None, seed: int = 0, dtype=jnp.float32) -> DFlashWeights:
