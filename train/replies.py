@@ -13,7 +13,7 @@ kill mid-batch leaves a cut last member: it is dropped (and regenerated) on the 
 are never rewritten once complete, so adding data is adding files. A prompt's key is its token
 ids, so a changed chat template or tokenizer misses rather than mixes.
 
-Cost: ~2.3 MB per million stored tokens (prompt + reply, gzip of JSON).
+Cost: ~1 MB per million stored tokens (prompt + reply, gzip of JSON; 342k tokens in 0.32 MB).
 """
 
 from __future__ import annotations
