@@ -74,7 +74,7 @@ def test_draft_model_greedy_is_lossless(engine, prompt_ids, plain, default_model
     assert sum(sum(r.accepted) for r in rows) > 0
 
 
-@pytest.mark.parametrize("kind, k", [("eagle3", 5), ("mtp", 3), ("draft", 4)])
+@pytest.mark.parametrize("kind, k", [("eagle3", 5), ("mtp", 3), ("draft", 4), ("dspark", 8)])
 def test_shipped_drafters_are_lossless_and_accept(engine, prompt_ids, plain, default_model, kind, k):
     """The drafters trained for the default model and shipped in the package (bare names)."""
     rows = run(engine, prompt_ids, default_model, make_drafter(kind, k, default_model))
@@ -84,7 +84,7 @@ def test_shipped_drafters_are_lossless_and_accept(engine, prompt_ids, plain, def
     assert emitted / steps > 1.2, (kind, emitted, steps)  # trained: well above plain decoding's 1.0
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp", "draft", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "draft", "dflash", "dspark"])
 def test_shipped_drafters_are_small_and_say_how_they_were_trained(kind):
     import json
     import os
