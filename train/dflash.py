@@ -116,6 +116,7 @@ class DFlashTask:
     """DFlash as a training task for `train.loop.fit` (see there for the interface)."""
 
     batch_axes = {"tokens": 0, "mask": 0, "argmax": 0, "final": 0, "hidden": 1, "row_id": 0}
+    simulate = staticmethod(simulate_acceptance)  # (net, batch, head, d2t, embed, block) -> counts, starts
     NUM_FEATURES = 3  # target layers read by default, evenly spaced from 1 to L - 3
 
     @staticmethod
@@ -174,10 +175,10 @@ class DFlashTask:
                            self.anchors, self.gamma)
 
     def evaluate(self, params, store, max_rows: int = 64, batch_size: int = 4) -> dict:
-        """Simulated greedy MAL and per-position acceptance of the B - 1 drafts on held-out rows."""
+        """Simulated greedy MAL and per-position acceptance of the drafts on held-out rows."""
         if not hasattr(self, "_sim"):
-            self._sim = jax.jit(lambda p, f, b: simulate_acceptance(self.net(p), b, f["head"], f["d2t"], f["embed"],
-                                                                    self.cfg.block_size))
+            self._sim = jax.jit(lambda p, f, b: self.simulate(self.net(p), b, f["head"], f["d2t"], f["embed"],
+                                                              self.cfg.block_size))
         return simulate_store(self._sim, params, self.frozen(), store, ("tokens", "mask", "argmax", "hidden"),
                               self.cfg.max_num_draft, max_rows, batch_size)
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from specjax.drafters.dspark import DSpark
 from specjax.models.llama import linear
-from train.common import chain_counts, simulate_store
+from train.common import chain_counts
 from train.common import shift_left as _shift_left
 from train.dflash import DFlashTask, block_states, draw_anchors, valid_anchors
 
@@ -85,7 +85,9 @@ def simulate_acceptance(net: DSpark, batch: dict, head: jax.Array, d2t, embed: j
 
 
 class DSparkTask(DFlashTask):
-    """DSpark as a training task for `train.loop.fit` (DFlashTask's data, anchors and export)."""
+    """DSpark as a training task for `train.loop.fit` (DFlashTask's data, anchors, evaluation and export)."""
+
+    simulate = staticmethod(simulate_acceptance)
 
     def __init__(self, target, counts, num_layers: int = 2, block_size: int = 8, mask_token_id: int = 0,
                  draft_vocab_size: int = 8192, target_layers=None, intermediate_size: int | None = None,
@@ -113,11 +115,3 @@ class DSparkTask(DFlashTask):
     def loss(self, params, frozen, batch):
         return dspark_loss(self.net(params), batch, frozen["head"], frozen["embed"], self.cfg.block_size,
                            self.anchors, self.gamma, *self.weights)
-
-    def evaluate(self, params, store, max_rows: int = 64, batch_size: int = 4) -> dict:
-        """Simulated greedy MAL and per-position acceptance of the B drafts on held-out rows."""
-        if not hasattr(self, "_sim"):
-            self._sim = jax.jit(lambda p, f, b: simulate_acceptance(self.net(p), b, f["head"], f["d2t"], f["embed"],
-                                                                    self.cfg.block_size))
-        return simulate_store(self._sim, params, self.frozen(), store, ("tokens", "mask", "argmax", "hidden"),
-                              self.cfg.max_num_draft, max_rows, batch_size)

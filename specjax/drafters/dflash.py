@@ -174,9 +174,10 @@ class DFlashWeights:
         return nnx.merge(self.graphdef, self.params)
 
 
-def init_weights(cfg: DFlashConfig, d2t: np.ndarray | None = None, seed: int = 0, dtype=jnp.float32) -> DFlashWeights:
+def init_weights(cfg: DFlashConfig, d2t: np.ndarray | None = None, seed: int = 0, dtype=jnp.float32,
+                 net_class=None) -> DFlashWeights:
     cfg.check("DFlash config")
-    graphdef, params = nnx.split(DFlash(cfg, rngs=nnx.Rngs(seed), dtype=dtype))
+    graphdef, params = nnx.split((net_class or DFlash)(cfg, rngs=nnx.Rngs(seed), dtype=dtype))
     return DFlashWeights(cfg, graphdef, params, None if d2t is None else jnp.asarray(d2t, jnp.int32), "random")
 
 
@@ -194,8 +195,9 @@ def load(path: str, dtype=jnp.float32) -> DFlashWeights:
     return build_weights(cfg, arrays, arrays.pop("d2t", None), f"{path}/{checkpoint.WEIGHTS_FILE}", dtype)
 
 
-def build_weights(cfg: DFlashConfig, arrays: dict, d2t, source: str, dtype) -> DFlashWeights:
-    """Weights from params by NNX path and an optional draft vocabulary map, all checked."""
+def build_weights(cfg: DFlashConfig, arrays: dict, d2t, source: str, dtype, net_class=None) -> DFlashWeights:
+    """Weights of a `net_class` network (default DFlash) from params by NNX path and an optional
+    draft vocabulary map, all checked."""
     cfg.check(source)
     v, n = cfg.layers.vocab_size, cfg.draft_vocab_size
     if n:
@@ -204,7 +206,8 @@ def build_weights(cfg: DFlashConfig, arrays: dict, d2t, source: str, dtype) -> D
             raise DrafterError(f"{source}: the draft vocabulary map must hold {n} distinct target ids in [0, {v})")
     elif d2t is not None:
         raise DrafterError(f"{source}: a draft vocabulary map ('d2t') but no draft_vocab_size in the config")
-    graphdef, params = checkpoint.fill(lambda: DFlash(cfg, rngs=nnx.Rngs(0), dtype=dtype), arrays, source, dtype)
+    net_class = net_class or DFlash
+    graphdef, params = checkpoint.fill(lambda: net_class(cfg, rngs=nnx.Rngs(0), dtype=dtype), arrays, source, dtype)
     return DFlashWeights(cfg, graphdef, params, None if d2t is None else jnp.asarray(d2t, jnp.int32), source)
 
 

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.drafters import checkpoint
+from specjax.drafters import checkpoint, dflash
 from specjax.drafters.base import Proposal, StepContext, draft_token
 from specjax.drafters.dflash import DFlash, DFlashConfig, DFlashDrafter, DFlashState, DFlashWeights
 from specjax.errors import DrafterError, ModelLoadError
@@ -117,9 +117,7 @@ class DSpark(DFlash):
 
 
 def init_weights(cfg: DSparkConfig, d2t: np.ndarray | None = None, seed: int = 0, dtype=jnp.float32) -> DFlashWeights:
-    cfg.check("DSpark config")
-    graphdef, params = nnx.split(DSpark(cfg, rngs=nnx.Rngs(seed), dtype=dtype))
-    return DFlashWeights(cfg, graphdef, params, None if d2t is None else jnp.asarray(d2t, jnp.int32), "random")
+    return dflash.init_weights(cfg, d2t, seed, dtype, net_class=DSpark)
 
 
 def load(path: str, dtype=jnp.float32) -> DFlashWeights:
@@ -135,17 +133,7 @@ def load(path: str, dtype=jnp.float32) -> DFlashWeights:
 
 
 def build_weights(cfg: DSparkConfig, arrays: dict, d2t, source: str, dtype) -> DFlashWeights:
-    """Weights from params by NNX path and an optional draft vocabulary map, all checked."""
-    cfg.check(source)
-    v, n = cfg.layers.vocab_size, cfg.draft_vocab_size
-    if n:
-        d2t = None if d2t is None else np.asarray(d2t)
-        if d2t is None or d2t.shape != (n,) or d2t.min() < 0 or d2t.max() >= v or len(np.unique(d2t)) != n:
-            raise DrafterError(f"{source}: the draft vocabulary map must hold {n} distinct target ids in [0, {v})")
-    elif d2t is not None:
-        raise DrafterError(f"{source}: a draft vocabulary map ('d2t') but no draft_vocab_size in the config")
-    graphdef, params = checkpoint.fill(lambda: DSpark(cfg, rngs=nnx.Rngs(0), dtype=dtype), arrays, source, dtype)
-    return DFlashWeights(cfg, graphdef, params, None if d2t is None else jnp.asarray(d2t, jnp.int32), source)
+    return dflash.build_weights(cfg, arrays, d2t, source, dtype, net_class=DSpark)
 
 
 def load_speculators(path: str, raw: dict, dtype) -> DFlashWeights:
