@@ -85,7 +85,7 @@ def test_speculators_checkpoint_matches_the_references(target_dir, target, tmp_p
     dparams = drafter.params()
     st, history = specjax_state(drafter, dparams, hidden_states, tokens, last)
     hist_len = jnp.asarray([len(tokens) + 1])
-    h = drafter.block_hidden(dparams, st, history, hist_len)  # [1, K, D]
+    h = drafter.block_hidden(dparams, st, history, hist_len, drafter.num_draft)  # [1, K, D]
     # the backbone: z-lab's network over the same context and block [last, MASK x (K - 1)]
     feats = torch.cat([out.hidden_states[i + 1] for i in LAYER_IDS], dim=-1)
     block = torch.as_tensor([[last] + [MASK] * (BLOCK - 1)])

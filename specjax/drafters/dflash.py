@@ -263,17 +263,25 @@ class DFlashDrafter(Drafter):
         cache = net.new_cache(b, ctx.cache_size).write(net.context_kv(net.context(ctx.target_hidden), pos))
         return DFlashState(cache.with_lengths(ctx.prompt_len))  # padding past the prompt: never read
 
-    def block_logits(self, dparams, st: DFlashState, history: jax.Array, hist_len: jax.Array) -> jax.Array:
-        """The draft logits `[B, K, N]` of the block after each row's last emitted token (K: the
-        chain's drafts, or a tree's depth)."""
-        net, k = self._net(dparams), self.accept_width
+    def block_hidden(self, dparams, st: DFlashState, history: jax.Array, hist_len: jax.Array,
+                     width: int) -> jax.Array:
+        """The normed hidden `[B, width, D]` of the block `[x_m, MASK x (width - 1)]` at positions
+        m .. m + width - 1 after each row's last emitted token x_m."""
+        net = self._net(dparams)
         b = history.shape[0]
         m = st.cache.lengths  # [B] = hist_len - 1
         last = jnp.take_along_axis(history, (hist_len - 1)[:, None], axis=1)  # [B, 1]
-        block = jnp.concatenate([last, jnp.full((b, k), self.weights.config.mask_token_id, last.dtype)], axis=1)
-        emb = jnp.take(dparams["embed"], block, axis=0) * self.weights.config.embed_scale  # [B, K+1, D]
-        h = net.block(emb.astype(net.fc[...].dtype), st.cache, m[:, None] + jnp.arange(k + 1)[None])  # [B, K+1, D]
-        return net.logits(dparams["head"], h[:, 1:])  # [B, K, N]
+        block = jnp.concatenate([last, jnp.full((b, width - 1), self.weights.config.mask_token_id, last.dtype)],
+                                axis=1)  # [B, width]
+        emb = jnp.take(dparams["embed"], block, axis=0) * self.weights.config.embed_scale  # [B, width, D]
+        return net.block(emb.astype(net.fc[...].dtype), st.cache, m[:, None] + jnp.arange(width)[None])
+
+    def block_logits(self, dparams, st: DFlashState, history: jax.Array, hist_len: jax.Array) -> jax.Array:
+        """The draft logits `[B, K, N]` of the block after each row's last emitted token (K: the
+        chain's drafts, or a tree's depth): positions 1..K of a K + 1 block."""
+        k = self.accept_width
+        h = self.block_hidden(dparams, st, history, hist_len, k + 1)  # [B, K+1, D]
+        return self._net(dparams).logits(dparams["head"], h[:, 1:])  # [B, K, N]
 
     def propose(self, dparams, st: DFlashState, ctx: StepContext):
         logits = self.block_logits(dparams, st, ctx.history, ctx.hist_len)  # [B, K, N]

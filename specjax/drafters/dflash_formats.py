@@ -53,11 +53,7 @@ def load(path: str, dtype) -> DFlashWeights:
         get, names = open_checkpoint(path)
         read = set()
         fetch = checked_getter(lambda name: read.add(name) or get(name))
-        lc, d = cfg.layers, cfg.hidden_size
-        pure = {"fc": fetch("fc.weight", (d, len(cfg.target_layers) * d)),
-                "hidden_norm": {"scale": fetch("hidden_norm.weight", (d,))},
-                "norm": {"scale": fetch("norm.weight", (d,))},
-                "layers": {i: layer_from_hf(lc, fetch, f"layers.{i}.") for i in range(lc.num_layers)}}
+        pure = backbone_from_hf(cfg, fetch)
     except ModelLoadError as e:
         raise DrafterError(f"{source}: {str(e).splitlines()[0]}") from None
     arrays = dict(_flatten(pure))
@@ -65,6 +61,16 @@ def load(path: str, dtype) -> DFlashWeights:
     if extra:
         raise DrafterError(f"{source}: tensors specjax's DFlash has no place for: {extra[:3]}")
     return build_weights(cfg, arrays, None, source, dtype)
+
+
+def backbone_from_hf(cfg: DFlashConfig, fetch) -> dict:
+    """The pure params of DFlash's network (`fc`, `hidden_norm`, `norm`, `layers`) from the tensor
+    names z-lab and speculators share, read through `fetch(name, shape)`."""
+    lc, d = cfg.layers, cfg.hidden_size
+    return {"fc": fetch("fc.weight", (d, len(cfg.target_layers) * d)),
+            "hidden_norm": {"scale": fetch("hidden_norm.weight", (d,))},
+            "norm": {"scale": fetch("norm.weight", (d,))},
+            "layers": {i: layer_from_hf(lc, fetch, f"layers.{i}.") for i in range(lc.num_layers)}}
 
 
 def config_from_zlab(raw: dict, source: str) -> DFlashConfig:

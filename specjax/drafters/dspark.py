@@ -138,10 +138,11 @@ def build_weights(cfg: DSparkConfig, arrays: dict, d2t, source: str, dtype) -> D
 
 def load_speculators(path: str, raw: dict, dtype) -> DFlashWeights:
     """A speculators `DSparkDraftModel` directory (module doc for the layout)."""
+    from specjax.drafters.dflash_formats import backbone_from_hf
     from specjax.drafters.eagle3_formats import _draft_map
     from specjax.models.loading import _flatten
     from specjax.models.loading.hf import open_checkpoint
-    from specjax.models.loading.mapping import checked_getter, layer_from_hf
+    from specjax.models.loading.mapping import checked_getter
 
     source = f"DSpark drafter {path}"
     if raw.get("markov_head_type", "vanilla") != "vanilla":
@@ -173,10 +174,7 @@ def load_speculators(path: str, raw: dict, dtype) -> DFlashWeights:
         read = {"d2t", "t2d", "embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight"}
         fetch = checked_getter(lambda name: read.add(name) or get(name))
         d = lc.hidden_size
-        pure: dict = {"fc": fetch("fc.weight", (d, len(cfg.target_layers) * d)),
-                      "hidden_norm": {"scale": fetch("hidden_norm.weight", (d,))},
-                      "norm": {"scale": fetch("norm.weight", (d,))},
-                      "layers": {i: layer_from_hf(lc, fetch, f"layers.{i}.") for i in range(lc.num_layers)}}
+        pure = backbone_from_hf(cfg, fetch)
         if rank:
             pure["markov_w1"] = fetch("markov_head.markov_w1.weight", (v, rank))
             pure["markov_w2"] = fetch("markov_head.markov_w2.weight", (cfg.head_size, rank))
@@ -212,16 +210,6 @@ class DSparkDrafter(DFlashDrafter):
         p = super().params()
         return {**p, "head": None} if self.weights.config.own_head else p  # its own rows: `net.head`
 
-    def block_hidden(self, dparams, st: DFlashState, history: jax.Array, hist_len: jax.Array) -> jax.Array:
-        """The backbone's normed hidden `[B, K, D]` of the block after each row's last token."""
-        net, k = self._net(dparams), self.num_draft
-        b = history.shape[0]
-        m = st.cache.lengths  # [B] = hist_len - 1
-        last = jnp.take_along_axis(history, (hist_len - 1)[:, None], axis=1)  # [B, 1]
-        block = jnp.concatenate([last, jnp.full((b, k - 1), self.weights.config.mask_token_id, last.dtype)], axis=1)
-        emb = jnp.take(dparams["embed"], block, axis=0) * self.weights.config.embed_scale  # [B, K, D]
-        return net.block(emb.astype(net.fc[...].dtype), st.cache, m[:, None] + jnp.arange(k)[None])  # [B, K, D]
-
     def draft_chain(self, dparams, h: jax.Array, anchor: jax.Array, ctx: StepContext):
         """Block hidden `[B, K, D]`, anchor tokens `[B]` -> drafts `[B, K]`, q `[B, K, V]` (None when
         greedy), confidences `[B, K]`: slot j's logits get the Markov bias of the token before it."""
@@ -240,7 +228,7 @@ class DSparkDrafter(DFlashDrafter):
         return jnp.stack(drafts, axis=1).astype(jnp.int32), q, jnp.stack(confs, axis=1)
 
     def propose(self, dparams, st: DFlashState, ctx: StepContext):
-        h = self.block_hidden(dparams, st, ctx.history, ctx.hist_len)  # [B, K, D]
+        h = self.block_hidden(dparams, st, ctx.history, ctx.hist_len, self.num_draft)  # [B, K, D]: all draft
         anchor = jnp.take_along_axis(ctx.history, (ctx.hist_len - 1)[:, None], axis=1)[:, 0]  # [B]
         draft, q, conf = self.draft_chain(dparams, h, anchor, ctx)
         if ctx.costs is None or not self.weights.config.confidence:
