@@ -70,6 +70,12 @@ def tiny_dspark(target):
     return dspark.DSparkDrafter(2, w, target)
 
 
+def independent_rows(target, sp: SamplingParams, **generate_kw):
+    """N_ROWS copies of PROMPT under `sp`, each row its own seed (one random stream each)."""
+    seeded = [dataclasses.replace(sp, seed=sp.seed * N_ROWS + i) for i in range(N_ROWS)]
+    return Engine(target).generate([PROMPT] * N_ROWS, seeded, **generate_kw)
+
+
 def sharpen(model, scale=4.0):
     """Scale the head so the law has a few likely paths (random tiny models are near uniform)."""
     pure = nnx.to_pure_dict(model.params)
@@ -158,8 +164,7 @@ def test_sampled_speculative_output_has_target_law(models, which, setting):
         drafter = DraftModelDrafter(2, draft, target.config,
                                     draft_vocab=DRAFT_VOCAB if which == "draft_vocab" else None)
     # independent rows: one stream each
-    seeded = [dataclasses.replace(sp, seed=sp.seed * N_ROWS + i) for i in range(N_ROWS)]
-    rows = Engine(target).generate([PROMPT] * N_ROWS, seeded, drafter=drafter)
+    rows = independent_rows(target, sp, drafter=drafter)
     assert all(len(r.token_ids) == 3 for r in rows)
     pvalues = law_pvalues(rows, exact_law(target, PROMPT, sp, 3))
     assert min(pvalues) > ALPHA, pvalues
@@ -185,8 +190,7 @@ def test_a_dflash_drafter_with_the_wrong_q_fails_the_law(models):
     target, _ = models
     good = tiny_dflash(target)
     sp = SETTINGS[0]
-    seeded = [dataclasses.replace(sp, seed=sp.seed * N_ROWS + i) for i in range(N_ROWS)]
-    rows = Engine(target).generate([PROMPT] * N_ROWS, seeded, drafter=WrongQ(2, good.weights, target))
+    rows = independent_rows(target, sp, drafter=WrongQ(2, good.weights, target))
     assert min(law_pvalues(rows, exact_law(target, PROMPT, sp, 3))) < ALPHA
 
 
@@ -207,8 +211,7 @@ def test_a_dspark_drafter_that_reports_q_without_its_markov_bias_fails_the_law(m
     target, _ = models
     good = tiny_dspark(target)
     sp = SETTINGS[0]
-    seeded = [dataclasses.replace(sp, seed=sp.seed * N_ROWS + i) for i in range(N_ROWS)]
-    rows = Engine(target).generate([PROMPT] * N_ROWS, seeded, drafter=NoBiasQ(2, good.weights, target))
+    rows = independent_rows(target, sp, drafter=NoBiasQ(2, good.weights, target))
     assert min(law_pvalues(rows, exact_law(target, PROMPT, sp, 3))) < ALPHA
 
 
@@ -251,8 +254,7 @@ def test_dspark_confidence_scheduled_length_keeps_the_law_only_with_the_early_st
     target, _ = models
     drafter = scheduled_dspark(target, lossy)
     sp = SETTINGS[0]
-    seeded = [dataclasses.replace(sp, seed=sp.seed * N_ROWS + i) for i in range(N_ROWS)]
-    rows = Engine(target).generate([PROMPT] * N_ROWS, seeded, drafter=drafter, spec_mode=ALWAYS,
+    rows = independent_rows(target, sp, drafter=drafter, spec_mode=ALWAYS,
                                    costs=np.array([1.0, 1.9, 2.0], np.float32))
     pvalues = law_pvalues(rows, exact_law(target, PROMPT, sp, 3))
     checked = np.sum([r.checked for r in rows], axis=0)
