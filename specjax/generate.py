@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from specjax.drafters import Drafter, make_drafter
-from specjax.engine import Engine
+from specjax.runtime.engine import Engine
 from specjax.errors import InvalidPromptError, InvalidSamplingError
 from specjax.models.loading import Model, load_model
 from specjax.policy.batch import draft_variants

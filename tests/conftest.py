@@ -94,7 +94,7 @@ def sharp_seqs(sharp_target):
     """Greedy continuations of the sharp target (like `regen` data): 32 random 6-token prompts."""
     import numpy as np
 
-    from specjax.engine import Engine
+    from specjax.runtime.engine import Engine
     from specjax.sampling import SamplingParams
 
     rng = np.random.RandomState(0)

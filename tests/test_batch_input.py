@@ -113,7 +113,7 @@ def test_raw_rows_and_the_humaneval_raw_suite(batch_model, tmp_path):
 def test_batches_are_padded_to_their_own_power_of_two():
     """A group's last, short batch (its longest prompts) pads to a power of two of its own rows,
     not to --batch-size; long prompts pad to a multiple of 1024, not the next power of two."""
-    from specjax.engine import bucket_prompt
+    from specjax.runtime.engine import bucket_prompt
     from specjax.sampling import SamplingParams
     from specjax.serving.batch import JobRow, plan_batches
 

@@ -192,7 +192,7 @@ def test_hf_peer_needs_torch(monkeypatch):
 
 
 def test_hf_peer_greedy_matches_specjax_plain(default_model, hf_gguf_model):
-    from specjax.engine import Engine
+    from specjax.runtime.engine import Engine
     from specjax.generate import encode_prompt
     from specjax.sampling import SamplingParams
 

@@ -14,7 +14,7 @@ import pytest
 from specjax import drafters
 from specjax.drafters import make_drafter
 from specjax.drafters.draft_model import DraftModelDrafter
-from specjax.engine import Engine
+from specjax.runtime.engine import Engine
 from specjax.errors import DrafterError
 from specjax.models.config import tiny
 from specjax.models.loading import random_model

@@ -234,7 +234,7 @@ def test_engine_prefill_in_chunks_equals_one_pass(model, monkeypatch):
     """
     from functools import partial
 
-    from specjax import engine
+    from specjax.runtime import engine
 
     lens = np.array([64, 5, 40, 47])  # rows ending in the last, first and middle chunks
     static = dict(cache_size=S, collect=(0, 1), want_final=True)

@@ -15,7 +15,7 @@ from flax import nnx
 from specjax.drafters import make_drafter, mtp
 from specjax.drafters.base import CommitContext, InitContext
 from specjax.drafters.mtp import MTPConfig, MTPDrafter, init_weights
-from specjax.engine import Engine
+from specjax.runtime.engine import Engine
 from specjax.errors import DrafterError
 from specjax.models.config import tiny
 from specjax.models.loading import random_model

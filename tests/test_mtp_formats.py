@@ -15,7 +15,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from specjax.drafters import make_drafter
 from specjax.drafters.mtp import MTPDrafter
-from specjax.engine import Engine
+from specjax.runtime.engine import Engine
 from specjax.errors import DrafterError
 from specjax.models.loading import load_model
 from specjax.models.loading.safetensors_io import SafetensorsFile, save_file

@@ -7,7 +7,7 @@ import pytest
 
 from specjax.drafters.base import Drafter, Proposal, StepContext
 from specjax.drafters.ngram import NgramDrafter
-from specjax.engine import Engine
+from specjax.runtime.engine import Engine
 from specjax.models.config import tiny
 from specjax.models.loading import random_model
 from specjax.sampling import SamplingArrays, SamplingParams

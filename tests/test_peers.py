@@ -188,7 +188,7 @@ def test_llamacpp_greedy_tokens_against_specjax_plain(llamacpp_peer, default_mod
     import numpy as np
     from llama_cpp import Llama
 
-    from specjax.engine import Engine
+    from specjax.runtime.engine import Engine
     from specjax.generate import encode_prompt
     from specjax.sampling import SamplingParams
 

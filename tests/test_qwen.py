@@ -94,7 +94,7 @@ def test_greedy_decoding_of_qwen3_equals_hf(tmp_path):
     hf = random_qwen("qwen3", seed=5)
     hf.save_pretrained(tmp_path)
     model = specjax.load_model(str(tmp_path), dtype="float32", quiet=True)
-    from specjax.engine import Engine
+    from specjax.runtime.engine import Engine
     from specjax.sampling import SamplingParams
 
     prompts = [[5, 17, 99, 3, 42, 8], [200, 1, 7]]

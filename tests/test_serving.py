@@ -14,7 +14,7 @@ from helpers import REPO
 from specjax.drafters.base import Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
-from specjax.engine import Engine
+from specjax.runtime.engine import Engine
 from specjax.errors import SpecjaxError
 from specjax.models.config import tiny
 from specjax.models.loading import random_model
@@ -25,7 +25,7 @@ from specjax.sampling import SamplingParams
 from specjax.serving.config import MonitorConfig, ServingConfig, load_config
 from specjax.serving.metrics import ServingMetrics
 from specjax.serving.scheduler import Request, Scheduler
-from specjax.serving.slots import SlotEngine
+from specjax.runtime.slots import SlotEngine
 from specjax.stats import AcceptanceStats
 
 V = 512

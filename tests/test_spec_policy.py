@@ -15,7 +15,7 @@ import pytest
 import specjax
 from specjax.drafters import make_drafter
 from specjax.drafters.base import Drafter, Proposal
-from specjax.engine import Engine
+from specjax.runtime.engine import Engine
 from specjax.generate import encode_prompt
 from specjax.models.config import tiny
 from specjax.models.loading import random_model

@@ -6,7 +6,7 @@ import pytest
 import specjax
 from specjax.drafters import make_drafter
 from specjax.drafters.draft_model import DraftModelDrafter
-from specjax.engine import Engine
+from specjax.runtime.engine import Engine
 from specjax.errors import DrafterError
 from specjax.generate import encode_prompt
 from specjax.models.loading.export import save_hf, truncate_layers

@@ -164,7 +164,7 @@ def test_simulated_path_mal_is_the_engines_greedy_mal(default_model, tmp_path):
     greedy decoding visits) forecasts what the engine measures, per position too; `sim_mal` (every
     position a start) is the drafter's average quality. Real model, shipped EAGLE-3, ShareGPT."""
     from specjax.drafters import make_drafter
-    from specjax.engine import Engine
+    from specjax.runtime.engine import Engine
     from specjax.sampling import SamplingParams
     from train.data import conversations, encode_prompts, regen_replies
 

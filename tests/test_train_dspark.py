@@ -7,7 +7,7 @@ import pytest
 
 from helpers import SHARP_LAYERS, four_device_losses
 from specjax.drafters import make_drafter
-from specjax.engine import Engine
+from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingParams
 from train.dspark import DSparkTask
 from train.loop import OptimConfig, fit, read_log

@@ -17,7 +17,7 @@ from specjax.drafters import make_drafter
 from specjax.drafters.base import vocab_maps
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_weights
-from specjax.engine import Engine
+from specjax.runtime.engine import Engine
 from specjax.errors import DrafterError
 from specjax.models.config import tiny
 from specjax.models.loading import random_model

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.datasets import sharegpt_split
-from specjax.engine import Engine
+from specjax.runtime.engine import Engine
 from specjax.generate import encode_prompt
 from specjax.models.loading import Model
 from specjax.sampling import SamplingParams

@@ -140,7 +140,7 @@ def build_model(shape: str, model_path: str | None, dtype: str | None):
 
 def measure_decode(shape: str, model, weights: str, p: Preset, bandwidth: float, log) -> dict:
     """Batch-1 plain decode speed (compile excluded) and its share of the memory roofline."""
-    from specjax.engine import Engine
+    from specjax.runtime.engine import Engine
     from specjax.sampling import SamplingParams
 
     cfg = model.config

@@ -43,7 +43,7 @@ def lossless_check(model, max_new: int = 32, k: int = 5) -> dict:
     """{"dtype", "drafter", "num_draft", "prompts", "identical", "mean_accepted_length"}: whether
     greedy n-gram speculation reproduces plain greedy decoding of `model` on every prompt."""
     from specjax.drafters.ngram import NgramDrafter
-    from specjax.engine import Engine
+    from specjax.runtime.engine import Engine
     from specjax.sampling import SamplingParams
 
     vocab = model.config.vocab_size

@@ -109,7 +109,7 @@ def lower_loop(platform: str, shape: str = "llama-8b", drafter: str = "eagle3", 
     or {"ok": False, "error": the first line}."""
     from jax import export
 
-    from specjax.engine import Engine, _decode, _prefill
+    from specjax.runtime.engine import Engine, _decode, _prefill
     from specjax.policy.rows import AUTO, new_policy
     from specjax.sampling import SamplingArrays, SamplingParams
 

@@ -36,7 +36,7 @@ from flax import nnx
 from specjax.bench import report as rep
 from specjax.bench.common import PeakMemory, compiled_memory_mb, timed
 from specjax.drafters.base import InitContext, StepContext
-from specjax.engine import Engine, _prefill
+from specjax.runtime.engine import Engine, _prefill
 from specjax.errors import DrafterError
 from specjax.generate import drafter_label, encode_prompt, get_drafter
 from specjax.policy.costs import measure_costs

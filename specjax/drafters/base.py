@@ -105,12 +105,12 @@ class Drafter:
     # speculation policy lets no row verify (specjax/policy/rows.py).
     proposal_optional: bool = False
     # Whether the engine may defer `commit` after plain steps under a speculation policy: it keeps
-    # up to K + 1 plain steps' target states (`Pending`, specjax/engine.py) and hands them to
+    # up to K + 1 plain steps' target states (`Pending`, specjax/runtime/engine.py) and hands them to
     # `catch_up` in one context before the next proposal or once K + 1 have gathered, so a row
     # that does not verify pays its drafter's upkeep once per K + 1 steps, in one wider pass.
     lazy_commit: bool = False
     # Whether the state's layout or currency depends on K (MTP keeps one cache per draft depth), so
-    # that one state cannot serve several K (serving/slots.py).
+    # that one state cannot serve several K (runtime/slots.py).
     k_dependent_state: bool = False
     # Token trees (`with_tree`): `tree_topk` > 1 makes each proposal a tree of `num_draft` nodes
     # over at most `tree_depth` levels (`Proposal.parents`); one step then accepts at most

@@ -14,7 +14,7 @@ when every draft is accepted (costs[L] > L + 1 for every L, e.g. a large batch o
 verifies at all. On a step where no row may verify, the engine (`decode_step`) skips the
 drafter's proposal too.
 
-The state rides in `LoopState.policy` (specjax/engine.py); the engine calls `plan` before drafting
+The state rides in `LoopState.policy` (specjax/runtime/engine.py); the engine calls `plan` before drafting
 (which rows may verify) and `update` after acceptance. Costs come from costs.py.
 
 Estimate: with `a` the row's decayed accepted drafts and `c` its decayed checked draft positions

@@ -2,7 +2,7 @@
 
 * `batch.py` — `specjax batch`: resumable offline jobs over a JSONL file of prompts;
 * `scaleout.py` — devices (a `data` x `model` mesh) and hosts (one part file per process, merge);
-* `slots.py` — the slot engine: persistent per-slot decode state, compiled prefill / insert /
+* `specjax/runtime/slots.py` — the slot engine: persistent per-slot decode state, compiled prefill / insert /
   extract / chunk per (batch bucket, K), warm-up and step-cost timing;
 * `scheduler.py` — continuous batching with latency classes (interactive first, batch rows
   preempted and parked for them), one thread owning the device;

@@ -289,7 +289,7 @@ def batch_rows(n: int, batch_size: int, data: int = 1) -> int:
     """Rows a batch of n runs with: n rounded up to a power of two (at most batch_size), then to
     a multiple of the mesh's `data` axis."""
     # imported here: jax loads only when a job runs, not for the CLI's input checks
-    from specjax.engine import bucket_multiple, bucket_pow2
+    from specjax.runtime.engine import bucket_multiple, bucket_pow2
 
     return bucket_multiple(min(batch_size, bucket_pow2(n, lo=1)), data)
 

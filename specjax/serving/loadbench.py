@@ -39,7 +39,7 @@ import time
 from specjax.sampling import SamplingParams
 from specjax.serving.config import ServingConfig
 from specjax.serving.scheduler import Request, Scheduler
-from specjax.serving.slots import SlotEngine
+from specjax.runtime.slots import SlotEngine
 from specjax.stats import AcceptanceStats
 
 MODES = ("always", "never", "rules")

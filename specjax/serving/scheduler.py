@@ -44,7 +44,7 @@ from specjax.policy.monitor import AcceptanceMonitor, DecisionLog, Estimate
 from specjax.sampling import SamplingParams
 from specjax.serving.config import LATENCY_CLASSES, ServingConfig
 from specjax.serving.metrics import ServingMetrics
-from specjax.serving.slots import STOP_WIDTH, SlotEngine
+from specjax.runtime.slots import STOP_WIDTH, SlotEngine
 from specjax.stats import AcceptanceStats
 
 _ids = itertools.count(1)

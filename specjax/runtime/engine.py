@@ -15,7 +15,7 @@ Two compiled functions per shape bucket (batch, prompt bucket T, cache size S, d
   plain decoding.
 
 `decode_step` is the one implementation of a step: `Engine.generate` loops it until every row is
-done, the serving slot engine (specjax/serving/slots.py) loops it for a bounded number of steps
+done, the serving slot engine (specjax/runtime/slots.py) loops it for a bounded number of steps
 over persistent slots whose rows come and go between chunks. For that, everything a row needs
 (its sampling settings, stop ids, limits) lives in the state, every per-row leaf of the state
 has a leading batch-major dim (`B` or `B * r`), and the statistics arrays may be wider than K.

@@ -1,7 +1,7 @@
 """The slot engine: persistent per-slot decode state for continuous batching.
 
 `Engine.generate` runs a whole batch to completion. A server cannot: requests arrive and finish
-at any time. The slot engine keeps one `LoopState` (specjax/engine.py) of B rows ("slots") alive
+at any time. The slot engine keeps one `LoopState` (specjax/runtime/engine.py) of B rows ("slots") alive
 across calls and offers four compiled operations on it:
 
 * `prefill(prompt_ids, ...)` runs one request's prompt through the target (batch 1, prompt
@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.base import Drafter, NoDrafter
-from specjax.engine import LoopState, _prefill, bucket_multiple, bucket_pow2, decode_step, init_state
+from specjax.runtime.engine import LoopState, _prefill, bucket_multiple, bucket_pow2, decode_step, init_state
 from specjax.errors import DrafterError
 from specjax.models.loading import Model
 from specjax.sampling import SamplingArrays, SamplingParams

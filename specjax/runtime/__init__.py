@@ -1,0 +1,7 @@
+"""The compiled runtime: the speculative decode loop and what runs it.
+
+* `engine.py` — `Engine`: prefill, then the compiled `lax.while_loop` of `decode_step`, for
+  whole batches (`specjax.generate`, batch jobs, bench);
+* `slots.py` — `SlotEngine`: the same step over persistent per-slot state for continuous
+  batching (the server).
+"""
