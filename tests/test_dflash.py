@@ -19,10 +19,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from helpers import rel_err
 from specjax.drafters import dflash, dflash_formats, make_drafter
 from specjax.drafters.base import CommitContext, InitContext
-from specjax.runtime.engine import Engine
 from specjax.errors import DrafterError
 from specjax.models.config import LlamaConfig
 from specjax.models.loading import load_model
+from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingArrays, SamplingParams
 
 V, D, L = 96, 32, 6

@@ -14,11 +14,11 @@ import pytest
 from specjax import drafters
 from specjax.drafters import make_drafter
 from specjax.drafters.draft_model import DraftModelDrafter
-from specjax.runtime.engine import Engine
 from specjax.errors import DrafterError
 from specjax.models.config import tiny
 from specjax.models.loading import random_model
 from specjax.models.loading.safetensors_io import SafetensorsFile
+from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingParams
 from train.draft_model import DraftDistillTask
 from train.loop import OptimConfig, fit, read_log

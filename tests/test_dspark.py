@@ -22,8 +22,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from helpers import rel_err
 from specjax.drafters import make_drafter
 from specjax.drafters.base import StepContext
-from specjax.runtime.engine import Engine
 from specjax.errors import DrafterError
+from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingArrays, SamplingParams
 
 RANK = 12

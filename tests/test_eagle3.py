@@ -12,10 +12,10 @@ import pytest
 from specjax.drafters import eagle3, make_drafter
 from specjax.drafters.base import vocab_maps
 from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_weights
-from specjax.runtime.engine import Engine
 from specjax.errors import DrafterError
 from specjax.models.config import tiny
 from specjax.models.loading import random_model
+from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingParams
 from train.eagle3 import simulate_acceptance, ttt_logits
 

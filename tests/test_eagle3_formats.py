@@ -21,10 +21,10 @@ from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
 from specjax.drafters import eagle3_formats, make_drafter, shipped_path
 from specjax.drafters.eagle3 import load as load_specjax
-from specjax.runtime.engine import Engine
 from specjax.errors import DrafterError
 from specjax.models.loading import load_model
 from specjax.models.loading.safetensors_io import SafetensorsFile, save_file
+from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingParams
 
 V, D, L, N = 96, 32, 6, 40

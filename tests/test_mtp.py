@@ -15,10 +15,10 @@ from flax import nnx
 from specjax.drafters import make_drafter, mtp
 from specjax.drafters.base import CommitContext, InitContext
 from specjax.drafters.mtp import MTPConfig, MTPDrafter, init_weights
-from specjax.runtime.engine import Engine
 from specjax.errors import DrafterError
 from specjax.models.config import tiny
 from specjax.models.loading import random_model
+from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingArrays, SamplingParams
 from train.loop import OptimConfig, fit, read_log
 from train.mtp import MTPTask, mtp_hidden, simulate_acceptance

@@ -15,10 +15,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from specjax.drafters import make_drafter
 from specjax.drafters.mtp import MTPDrafter
-from specjax.runtime.engine import Engine
 from specjax.errors import DrafterError
 from specjax.models.loading import load_model
 from specjax.models.loading.safetensors_io import SafetensorsFile, save_file
+from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingParams
 
 V, D, L, STEPS = 96, 32, 3, 3

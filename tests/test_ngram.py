@@ -7,9 +7,9 @@ import pytest
 
 from specjax.drafters.base import Drafter, Proposal, StepContext
 from specjax.drafters.ngram import NgramDrafter
-from specjax.runtime.engine import Engine
 from specjax.models.config import tiny
 from specjax.models.loading import random_model
+from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingArrays, SamplingParams
 
 

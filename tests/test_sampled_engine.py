@@ -17,9 +17,9 @@ from test_rejection_sampling import g_test_pvalue
 
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
-from specjax.runtime.engine import Engine
 from specjax.models.config import tiny
 from specjax.models.loading import random_model
+from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingArrays, SamplingParams, target_probs
 
 V = 16

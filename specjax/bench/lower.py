@@ -109,8 +109,8 @@ def lower_loop(platform: str, shape: str = "llama-8b", drafter: str = "eagle3", 
     or {"ok": False, "error": the first line}."""
     from jax import export
 
-    from specjax.runtime.engine import Engine, _decode, _prefill
     from specjax.policy.rows import AUTO, new_policy
+    from specjax.runtime.engine import Engine, _decode, _prefill
     from specjax.sampling import SamplingArrays, SamplingParams
 
     if shape not in SHAPES:

@@ -26,8 +26,8 @@ from rich.console import Console
 from rich.table import Table
 
 from specjax.bench.common import copy_bandwidth_gbs, peak_memory_mb
-from specjax.runtime.engine import Engine
 from specjax.models.loading import load_model
+from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingParams
 
 

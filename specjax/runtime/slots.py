@@ -41,9 +41,9 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.base import Drafter, NoDrafter
-from specjax.runtime.engine import LoopState, _prefill, bucket_multiple, bucket_pow2, decode_step, init_state
 from specjax.errors import DrafterError
 from specjax.models.loading import Model
+from specjax.runtime.engine import LoopState, _prefill, bucket_multiple, bucket_pow2, decode_step, init_state
 from specjax.sampling import SamplingArrays, SamplingParams
 
 STOP_WIDTH = 8  # stop ids per row: EOS ids + the request's own stop_token_ids
