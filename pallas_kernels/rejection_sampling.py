@@ -14,8 +14,8 @@ the same formulas then reduce to "accept while d_i = argmax, emit the argmax at 
 
 Sampling from the residual uses the exponential race: argmax_v r_v / E_v with E_v ~ Exp(1) is a
 draw from r / sum(r), so the kernel needs one pass over the vocabulary, no sort and no
-normalisation. All randomness comes from a counter-based hash of (seed, position, vocab index),
-so the Pallas kernel and the jnp reference compute the same numbers from the same seeds with no
+normalisation. All randomness comes from the counter-based hash of (seed, position, vocab index)
+in `counter_hash.py`, so the Pallas kernel and the jnp reference compute the same numbers from the same seeds with no
 random tensors in memory; they agree bit for bit wherever they share the float `log` and divide
 (interpret mode on CPU; on a device, the device's own `log` and divide decide).
 
@@ -45,9 +45,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.counter_hash import ACCEPT_STREAM, hash_uniform
 from pallas_kernels.platform import target_platform
 
-ACCEPT_STREAM = 0x7FFFFFFF  # vocab index reserved for the acceptance uniforms
 TPU_VMEM_BUDGET = 8 << 20  # bytes per program: half the 16 MiB default scoped VMEM (v5e; 32 MiB v6e)
 GPU_SMEM_BUDGET = 96 << 10  # bytes per program: under the 99 KiB per-block opt-in of sm_86/89 (227 KiB sm_90)
 GPU_MAX_BLOCK_ELEMENTS = 1 << 20  # Triton's cap on a tensor's elements
@@ -56,33 +56,6 @@ TPU_MAX_TILE = 8192  # lanes per TPU block (past this a grid step's ~0.35 us ove
 GPU_MAX_TILE = 2048  # lanes per GPU block (elements per thread stay in registers at 4 warps)
 TPU_TEMPORARIES = 8  # live [R, P, chunk] f32 arrays in one compute step (budget estimate)
 _NO_INDEX = 2**30  # larger than any vocab index
-
-
-def mix32(x):
-    """A 32-bit integer finaliser with good avalanche (xor-shift-multiply)."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def hash_uniform(seed, pos, vocab):
-    """U(0, 1) float32 (never 0 or 1) from uint32 seed, position and vocab index (broadcast).
-
-    The key state x = f(seed, pos) enters twice, before and after the vocab mix: with only
-    `mix32(x ^ vocab)`, two keys whose states differ by a small c (probability ~V / 2^32 per
-    pair of keys, so hundreds of pairs over a row's thousands of steps) gave the same uniforms for
-    every vocab index, relabelled v -> v ^ c, and two draws shared their randomness."""
-    x = mix32(seed.astype(jnp.uint32) ^ mix32(pos.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)))
-    return unit_float(mix32(x ^ vocab.astype(jnp.uint32)) ^ mix32(x + jnp.uint32(0x6A09E667)))
-
-
-def unit_float(x):
-    """uint32 bits -> float32 in (0, 1), uniform on 2^23 midpoints. 23 bits: m + 0.5 is exact in
-    float32 for m < 2^23, so u <= 1 - 2^-24 < 1. (With 24 bits, m = 2^24 - 1 rounded to u = 1.0,
-    and `u * q < p` then rejected a draft with p = q.)"""
-    return ((x >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def _finish(winner, accept, draft, k):
@@ -98,12 +71,12 @@ def _finish(winner, accept, draft, k):
       n_accepted [B] and tokens [B, K + 1] (drafts, then the recovered/bonus token at index n;
       entries after n are -1).
     """
-    idx = jnp.arange(k + 1)
-    accept = accept[:, :k]
+    idx = jnp.arange(k + 1)  # [K+1]
+    accept = accept[:, :k]  # [B, K]
     n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # [B]
     final = jnp.take_along_axis(winner, n[:, None], axis=1)  # [B, 1]
     draft_ext = jnp.concatenate([draft[:, :k], jnp.full_like(draft[:, :1], -1)], axis=1)  # [B, K+1]
-    tokens = jnp.where(idx[None] < n[:, None], draft_ext, jnp.where(idx[None] == n[:, None], final, -1))
+    tokens = jnp.where(idx[None] < n[:, None], draft_ext, jnp.where(idx[None] == n[:, None], final, -1))  # [B, K+1]
     return n, tokens.astype(jnp.int32)
 
 
@@ -121,26 +94,26 @@ def rejection_sample_reference(p, q, draft, seeds):
     """
     b, kp1, v = p.shape
     k = kp1 - 1
-    p = p.astype(jnp.float32)
-    pos = jnp.arange(kp1)[None, :, None]
-    voc = jnp.arange(v)[None, None, :]
+    p = p.astype(jnp.float32)  # [B, K+1, V]
+    pos = jnp.arange(kp1)[None, :, None]  # [1, K+1, 1]
+    voc = jnp.arange(v)[None, None, :]  # [1, 1, V]
     d = jnp.concatenate([draft, jnp.full((b, 1), -1, draft.dtype)], axis=1)  # [B, K+1]
     is_d = voc == d[:, :, None]  # [B, K+1, V]
     if q is None:
-        qf = is_d.astype(jnp.float32)
+        qf = is_d.astype(jnp.float32)  # [B, K+1, V]
     else:
-        qf = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((b, 1, v), jnp.float32)], axis=1)
+        qf = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((b, 1, v), jnp.float32)], axis=1)  # [B, K+1, V]
     qf = jnp.where(pos < k, qf, 0.0)  # the bonus position races on p itself
     resid = jnp.maximum(p - qf, 0.0)  # [B, K+1, V]
-    e = -jnp.log(hash_uniform(seeds[:, None, None], pos, voc))
-    score = jnp.where(resid > 0, resid / e, -1.0)
+    e = -jnp.log(hash_uniform(seeds[:, None, None], pos, voc))  # [B, K+1, V] Exp(1)
+    score = jnp.where(resid > 0, resid / e, -1.0)  # [B, K+1, V]
     winner = jnp.argmax(score, axis=-1).astype(jnp.int32)  # [B, K+1] first index among ties
-    fallback = jnp.argmax(p, axis=-1).astype(jnp.int32)
+    fallback = jnp.argmax(p, axis=-1).astype(jnp.int32)  # [B, K+1]
     winner = jnp.where(jnp.max(score, axis=-1) > 0, winner, fallback)
     p_d = jnp.sum(jnp.where(is_d, p, 0.0), axis=-1)  # [B, K+1]
-    q_d = jnp.sum(jnp.where(is_d, qf, 0.0), axis=-1)
-    u = hash_uniform(seeds[:, None], jnp.arange(kp1)[None], jnp.uint32(ACCEPT_STREAM))
-    accept = u * q_d < p_d
+    q_d = jnp.sum(jnp.where(is_d, qf, 0.0), axis=-1)  # [B, K+1]
+    u = hash_uniform(seeds[:, None], jnp.arange(kp1)[None], jnp.uint32(ACCEPT_STREAM))  # [B, K+1]
+    accept = u * q_d < p_d  # [B, K+1]
     return _finish(winner, accept, d, k)
 
 
@@ -262,7 +235,16 @@ class KernelSpecs:
 
 
 def kernel_specs(plan: KernelPlan) -> KernelSpecs:
-    """BlockSpecs, output shapes and scratch of the kernel for `plan` (pure; no arrays)."""
+    """BlockSpecs, output shapes and scratch of the kernel for `plan` (pure; no arrays).
+
+    Args:
+      plan: a `kernel_plan(...)` result.
+
+    Returns:
+      KernelSpecs. Inputs: seeds `[R, 1, 1]`, drafts `[R, 1, P]`, p (and q) `[R, P, TV]` blocks.
+      Outputs: "reduce": winner and accept `[Bp, 1, P]` int32, scratch six `[R, P]` race states;
+      "split": the six race states per tile `[Bp, n_tiles, P]`, no scratch.
+    """
     r, n_pos, tv = plan.rows, plan.positions, plan.tile
     bp = plan.grid[0] * r if _is_gpu(plan.backend) else plan.batch
     row = lambda i, j: (i, 0, 0)
@@ -286,7 +268,15 @@ def kernel_specs(plan: KernelPlan) -> KernelSpecs:
 def block_bytes(plan: KernelPlan) -> dict[str, int]:
     """Memory one program holds, from `kernel_specs(plan)`: every input and output block twice
     (double buffering), scratch once, and on TPU `TPU_TEMPORARIES` [R, P, chunk] f32 arrays.
-    TPU buffers are padded to (sublane, 128-lane) tiles. "largest_block" is in elements."""
+    TPU buffers are padded to (sublane, 128-lane) tiles.
+
+    Args:
+      plan: a `kernel_plan(...)` result.
+
+    Returns:
+      bytes of "inputs", "outputs", "scratch", "temporaries" and their "total"; "largest_block":
+      the most elements in one block.
+    """
     specs = kernel_specs(plan)
     be = "mosaic_tpu" if plan.layout == "reduce" else plan.backend
     inputs = sum(2 * _buffer_bytes(s.block_shape, d, be) for s, d in zip(specs.in_specs, specs.in_dtypes))
@@ -303,7 +293,7 @@ def block_bytes(plan: KernelPlan) -> dict[str, int]:
 
 
 def memory_budget(backend: str | None) -> int:
-    """Bytes `block_bytes(...)["total"]` must stay within for `backend`."""
+    """Bytes `block_bytes(...)["total"]` must stay within for `backend` (as `kernel_plan`'s)."""
     return GPU_SMEM_BUDGET if _is_gpu(backend) else TPU_VMEM_BUDGET
 
 
@@ -338,21 +328,21 @@ def _sweep(seed, draft, p_ref, q_ref, carry, base, *, k: int, vocab: int, chunk:
     def step(start, carry):
         best, arg, pmax, parg, p_d, q_d = carry  # each [R, P]
         voc = lane + (base + start)  # [R, P, C]
-        valid = voc < vocab
+        valid = voc < vocab  # [R, P, C]
         pt = jnp.where(valid, p_ref[:, :, pl.ds(start, chunk)].astype(jnp.float32), 0.0)  # [R, P, C]
-        is_d = voc == draft[:, :, None]
+        is_d = voc == draft[:, :, None]  # [R, P, C]
         qt = q_ref[:, :, pl.ds(start, chunk)].astype(jnp.float32) if q_ref is not None else is_d.astype(jnp.float32)
-        qt = jnp.where(valid & (pos < k), qt, 0.0)  # the bonus position races on p itself
-        resid = jnp.maximum(pt - qt, 0.0)
-        e = -jnp.log(hash_uniform(seed, pos, voc))
+        qt = jnp.where(valid & (pos < k), qt, 0.0)  # [R, P, C]; the bonus position races on p itself
+        resid = jnp.maximum(pt - qt, 0.0)  # [R, P, C]
+        e = -jnp.log(hash_uniform(seed, pos, voc))  # [R, P, C] Exp(1)
         score = jnp.where(resid > 0, resid / e, -1.0)  # [R, P, C]
         t_best = jnp.max(score, axis=2)  # [R, P]
-        t_arg = jnp.min(jnp.where(score == t_best[:, :, None], voc, _NO_INDEX), axis=2)
-        pm = jnp.where(valid, pt, -jnp.inf)
-        t_pmax = jnp.max(pm, axis=2)
-        t_parg = jnp.min(jnp.where(pm == t_pmax[:, :, None], voc, _NO_INDEX), axis=2)
-        better = t_best > best  # strict: earlier chunks win ties
-        pbetter = t_pmax > pmax
+        t_arg = jnp.min(jnp.where(score == t_best[:, :, None], voc, _NO_INDEX), axis=2)  # [R, P]
+        pm = jnp.where(valid, pt, -jnp.inf)  # [R, P, C]
+        t_pmax = jnp.max(pm, axis=2)  # [R, P]
+        t_parg = jnp.min(jnp.where(pm == t_pmax[:, :, None], voc, _NO_INDEX), axis=2)  # [R, P]
+        better = t_best > best  # [R, P]; strict: earlier chunks win ties
+        pbetter = t_pmax > pmax  # [R, P]
         return (
             jnp.where(better, t_best, best),
             jnp.where(better, t_arg, arg),
@@ -369,7 +359,7 @@ def _sweep(seed, draft, p_ref, q_ref, carry, base, *, k: int, vocab: int, chunk:
 
 def _accept(seed, p_d, q_d):
     """Acceptance flags [R, P] from seeds [R, 1] and p(draft), q(draft) [R, P]."""
-    pos = jax.lax.broadcasted_iota(jnp.int32, p_d.shape, 1)
+    pos = jax.lax.broadcasted_iota(jnp.int32, p_d.shape, 1)  # [R, P]
     return hash_uniform(seed, pos, jnp.uint32(ACCEPT_STREAM)) * q_d < p_d
 
 
@@ -416,8 +406,8 @@ def _combine_tiles(seeds, best, arg, pmax, parg, p_d, q_d):
     wins, as in the sequential sweep."""
     pick = lambda x, t: jnp.take_along_axis(x, t[:, None], axis=1)[:, 0]
     t_best = jnp.argmax(best, axis=1)  # [B, P]
-    t_pmax = jnp.argmax(pmax, axis=1)
-    winner = jnp.where(pick(best, t_best) > 0, pick(arg, t_best), pick(parg, t_pmax))
+    t_pmax = jnp.argmax(pmax, axis=1)  # [B, P]
+    winner = jnp.where(pick(best, t_best) > 0, pick(arg, t_best), pick(parg, t_pmax))  # [B, P]
     return winner, _accept(seeds[:, None], jnp.sum(p_d, axis=1), jnp.sum(q_d, axis=1))
 
 
@@ -469,13 +459,14 @@ def rejection_sample_pallas(p, q, draft, seeds, interpret=False, backend: str | 
     plan = kernel_plan(backend, b, k, v, p.dtype, q is not None, rows=rows, tile=vocab_tile)
     specs = kernel_specs(plan)
     d_ext = jnp.pad(draft.astype(jnp.int32), ((0, 0), (0, plan.positions - k)), constant_values=-1)  # [B, P]
-    seeds = seeds.astype(jnp.uint32)
-    vocab_args = [p] + ([q] if q is not None else [])
+    seeds = seeds.astype(jnp.uint32)  # [B]
+    vocab_args = [p] + ([q] if q is not None else [])  # [B, K+1, V], [B, K, V]
     if plan.layout == "split":  # GPU: whole row blocks, whole tiles, power-of-two positions
         bp = plan.grid[0] * plan.rows
         pad = lambda x: jnp.pad(x, ((0, bp - b), (0, plan.positions - x.shape[1]), (0, plan.vocab_padded - v)))
         vocab_args = [pad(x) for x in vocab_args]  # [Bp, P, Vp]
-        seeds, d_ext = jnp.pad(seeds, (0, bp - b)), jnp.pad(d_ext, ((0, bp - b), (0, 0)), constant_values=-1)
+        seeds = jnp.pad(seeds, (0, bp - b))  # [Bp]
+        d_ext = jnp.pad(d_ext, ((0, bp - b), (0, 0)), constant_values=-1)  # [Bp, P]
     kernel = _reduce_kernel if plan.layout == "reduce" else _split_kernel
     outs = pl.pallas_call(
         functools.partial(kernel, k=k, vocab=v, chunk=plan.chunk, has_q=q is not None),
@@ -491,7 +482,7 @@ def rejection_sample_pallas(p, q, draft, seeds, interpret=False, backend: str | 
     if plan.layout == "reduce":
         winner, accept = outs[0][:, 0], outs[1][:, 0].astype(bool)  # [B, P]
     else:
-        winner, accept = _combine_tiles(seeds[:b], *(x[:b] for x in outs))
+        winner, accept = _combine_tiles(seeds[:b], *(x[:b] for x in outs))  # [B, P]
     return _finish(winner[:, :kp1], accept[:, :kp1], d_ext[:b], k)
 
 
@@ -504,10 +495,17 @@ def _version(version: str | None) -> tuple[int, int]:
 
 
 def gpu_kernel_backends(version: str | None = None) -> tuple[str, ...]:
-    """GPU backends in order of preference for a jax version (default: the installed one).
+    """GPU backends in order of preference for a jax version.
 
     Pallas' Triton backend is deprecated from jax 0.11 in favour of Mosaic GPU, so 0.11 and
-    later try Mosaic GPU first; earlier versions, where Triton is the mature GPU path, Triton."""
+    later try Mosaic GPU first; earlier versions, where Triton is the mature GPU path, Triton.
+
+    Args:
+      version: a jax version string such as "0.10.1"; None: the installed jax.
+
+    Returns:
+      ("mosaic_gpu", "triton") or ("triton", "mosaic_gpu").
+    """
     return ("mosaic_gpu", "triton") if _version(version) >= (0, 11) else ("triton", "mosaic_gpu")
 
 
@@ -517,7 +515,18 @@ _CUSTOM_CALLS = {"mosaic_tpu": "tpu_custom_call", "triton": "__gpu$xla.gpu.trito
 @functools.lru_cache(maxsize=None)
 def kernel_lowers(backend: str, platform: str, p_shape: tuple, dtype: str, has_q: bool) -> bool:
     """Whether the kernel lowers for `platform` with `backend` at this shape (`jax.export`; no
-    device needed). Lowering is not compiling: only a device proves that."""
+    device needed). Lowering is not compiling: only a device proves that.
+
+    Args:
+      backend: "mosaic_tpu" | "triton" | "mosaic_gpu".
+      platform: a `jax.export` platform ("tpu", "cuda", ...).
+      p_shape: (B, K+1, V) of p.
+      dtype: dtype name of p and q.
+      has_q: whether a dense q `[B, K, V]` is passed.
+
+    Returns:
+      True when `jax.export` lowers `rejection_sample_pallas` (cached per argument tuple).
+    """
     from jax import export
 
     b, kp1, v = p_shape
@@ -536,8 +545,17 @@ def kernel_lowers(backend: str, platform: str, p_shape: tuple, dtype: str, has_q
 
 def choose_kernel_backend(platform: str, p_shape: tuple, dtype: str, has_q: bool,
                           version: str | None = None) -> str | None:
-    """The first backend for `platform` that lowers the kernel at this shape, None if none does
-    (then `rejection_sample` uses the jnp reference)."""
+    """The first backend for `platform` that lowers the kernel at this shape.
+
+    Args:
+      platform: "gpu" | "cuda" | "tpu" | anything else (no backend).
+      p_shape, dtype, has_q: as `kernel_lowers`.
+      version: jax version for `gpu_kernel_backends` (None: the installed one).
+
+    Returns:
+      "mosaic_tpu" | "triton" | "mosaic_gpu", or None if none lowers (then `rejection_sample`
+      uses the jnp reference).
+    """
     candidates = gpu_kernel_backends(version) if platform in ("gpu", "cuda") else ("mosaic_tpu",) * (platform == "tpu")
     plat = "cuda" if platform == "gpu" else platform
     return next((be for be in candidates if kernel_lowers(be, plat, tuple(p_shape), dtype, has_q)), None)
@@ -546,9 +564,18 @@ def choose_kernel_backend(platform: str, p_shape: tuple, dtype: str, has_q: bool
 def rejection_sample(p, q, draft, seeds, implementation: str = "auto"):
     """Dispatch between the Pallas kernel and the jnp reference (same results).
 
-    implementation: "pallas" (interpret mode on CPU), "reference", or "auto": the jnp reference
-    on CPU (where interpret mode is a correctness tool, not a fast path); on GPU/TPU the kernel
-    with the first backend that lowers (`choose_kernel_backend`), else the reference.
+    Args:
+      p, q, draft, seeds: as :func:`rejection_sample_reference` (p `[B, K+1, V]`, q `[B, K, V]` or
+        None, draft `[B, K]`, seeds `[B]`).
+      implementation: "pallas" (interpret mode on CPU), "reference", or "auto": the jnp reference
+        on CPU (where interpret mode is a correctness tool, not a fast path); on GPU/TPU the kernel
+        with the first backend that lowers (`choose_kernel_backend`), else the reference.
+
+    Returns:
+      (n_accepted [B] int32, tokens [B, K+1] int32).
+
+    Raises:
+      ValueError: an unknown `implementation`.
     """
     platform = target_platform()
     cpu = platform == "cpu"

@@ -19,7 +19,7 @@ rejected token's mass is removed from r and r renormalised: the walk then sample
 exactly. A chain (parents = i - 1) reduces to `rejection_sampling.py`'s rule; greedy targets
 (one-hot p) to "follow the child whose token is the argmax".
 
-Randomness: the counter-based hash of rejection_sampling.py, acceptance uniforms at (seed, test
+Randomness: the counter-based hash of counter_hash.py, acceptance uniforms at (seed, test
 number, ACCEPT_STREAM), the final exponential race at (seed, T + 1, vocab index).
 
 Deterministic candidates need no vocabulary pass until the end: after rejecting tokens x_1..x_j
@@ -41,16 +41,25 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.counter_hash import ACCEPT_STREAM, hash_uniform
 from pallas_kernels.platform import target_platform
-from pallas_kernels.rejection_sampling import _CUSTOM_CALLS, ACCEPT_STREAM, gpu_kernel_backends, hash_uniform
+from pallas_kernels.rejection_sampling import _CUSTOM_CALLS, gpu_kernel_backends
 
 
-def _normalize(r):
+def _normalize(r):  # [V] -> [V], summing to 1 (all zeros stay zeros)
     return r / jnp.maximum(jnp.sum(r), jnp.finfo(jnp.float32).tiny)
 
 
 def sibling_residual(r, q_row):
-    """The residual after rejecting a sibling drawn from `q_row` (both `[V]`), normalised."""
+    """The residual after rejecting a sibling drawn from `q_row`, normalised.
+
+    Args:
+      r: [V] the current residual (a distribution).
+      q_row: [V] the distribution the rejected sibling was drawn from.
+
+    Returns:
+      [V] normalize(max(r - q_row, 0)); all zeros when q_row covers r.
+    """
     return _normalize(jnp.maximum(r - q_row, 0.0))
 
 
@@ -58,22 +67,22 @@ def _walk_row(p, q, tokens, parents, seed, residual):
     """One row: p `[T+1, V]`, q `[T+1, V]` or None, tokens/parents `[T]`, seed `[]` uint32.
     Returns (n accepted, path `[T]` node indices (-1 after n), emitted tokens `[T + 1]`)."""
     t, v = tokens.shape[0], p.shape[-1]
-    nodes = jnp.arange(t)
-    vocab = jnp.arange(v)
+    nodes = jnp.arange(t)  # [T]
+    vocab = jnp.arange(v)  # [V]
 
     def test(carry, i):
         cur, r, ptr, done, n, path = carry  # cur: -1 = root, else the node whose children are tried
-        cand_ok = (parents == cur) & (nodes > ptr)
-        cand = jnp.where(jnp.any(cand_ok), jnp.argmax(cand_ok), -1)
+        cand_ok = (parents == cur) & (nodes > ptr)  # [T] untried children of cur
+        cand = jnp.where(jnp.any(cand_ok), jnp.argmax(cand_ok), -1)  # [] the next one, -1: none left
         live = (~done) & (cand >= 0)
         tok = tokens[jnp.maximum(cand, 0)]
         row = cur + 1  # the p / q row of the current node
-        q_row = jax.nn.one_hot(tok, v, dtype=jnp.float32) if q is None else q[row]
-        u = hash_uniform(seed, i.astype(jnp.uint32), jnp.uint32(ACCEPT_STREAM))
+        q_row = jax.nn.one_hot(tok, v, dtype=jnp.float32) if q is None else q[row]  # [V]
+        u = hash_uniform(seed, i.astype(jnp.uint32), jnp.uint32(ACCEPT_STREAM))  # []
         accept = live & (u * q_row[tok] < r[tok])
         reject = live & ~accept
-        r = jnp.where(accept, p[jnp.maximum(cand, 0) + 1], jnp.where(reject, residual(r, q_row), r))
-        path = jnp.where(accept, path.at[n].set(cand), path)
+        r = jnp.where(accept, p[jnp.maximum(cand, 0) + 1], jnp.where(reject, residual(r, q_row), r))  # [V]
+        path = jnp.where(accept, path.at[n].set(cand), path)  # [T]
         n = n + accept.astype(jnp.int32)
         cur = jnp.where(accept, cand, cur)
         ptr = jnp.where(accept, cand, jnp.where(reject, cand, ptr))
@@ -82,17 +91,27 @@ def _walk_row(p, q, tokens, parents, seed, residual):
 
     init = (jnp.int32(-1), p[0], jnp.int32(-1), jnp.bool_(False), jnp.int32(0), jnp.full((t,), -1, jnp.int32))
     (cur, r, _, _, n, path), _ = jax.lax.scan(test, init, jnp.arange(t + 1))  # T tests at most, then none left
-    e = -jnp.log(hash_uniform(seed, jnp.uint32(t + 1), vocab.astype(jnp.uint32)))
-    score = jnp.where(r > 0, r / e, -1.0)
+    e = -jnp.log(hash_uniform(seed, jnp.uint32(t + 1), vocab.astype(jnp.uint32)))  # [V] Exp(1)
+    score = jnp.where(r > 0, r / e, -1.0)  # [V]
     final = jnp.where(jnp.max(score) > 0, jnp.argmax(score), jnp.argmax(p[cur + 1])).astype(jnp.int32)
-    idx = jnp.arange(t + 1)
-    path_tok = jnp.concatenate([tokens[jnp.maximum(path, 0)], jnp.full((1,), -1, jnp.int32)])
-    emitted = jnp.where(idx < n, path_tok, jnp.where(idx == n, final, -1)).astype(jnp.int32)
+    idx = jnp.arange(t + 1)  # [T+1]
+    path_tok = jnp.concatenate([tokens[jnp.maximum(path, 0)], jnp.full((1,), -1, jnp.int32)])  # [T+1]
+    emitted = jnp.where(idx < n, path_tok, jnp.where(idx == n, final, -1)).astype(jnp.int32)  # [T+1]
     return n, path, emitted
 
 
 def tree_walk(p, q, tokens, parents, seeds, residual=sibling_residual):
-    """`tree_sample_reference` with the residual rule as a parameter (tests pass lossy ones)."""
+    """`tree_sample_reference`'s general walk with the residual rule as a parameter (tests pass
+    lossy ones).
+
+    Args:
+      p, tokens, parents, seeds: as `tree_sample_reference`.
+      q: [B, T+1, V] drafter probabilities, or None for deterministic candidates (one-hot q).
+      residual: (r [V], q_row [V]) -> [V], the residual after a rejection (`sibling_residual`).
+
+    Returns:
+      As `tree_sample_reference`.
+    """
     p = p.astype(jnp.float32)
     q = None if q is None else q.astype(jnp.float32)
     row = lambda p_, q_, t_, par_, s_: _walk_row(p_, q_, t_, par_, s_, residual)
@@ -128,8 +147,15 @@ def tree_sample_reference(p, q, tokens, parents, seeds):
 def one_hot_walk(p, tokens, parents, seeds):
     """The walk over deterministic candidates (module doc), without the final draw.
 
-    Returns n [B], path [B, T], the p row the final token is drawn from [B] and the tokens it
-    excludes (rejected at that node) [B, T], -1 padded."""
+    Args:
+      p: [B, T+1, V] target probabilities; tokens, parents: [B, T] int32; seeds: [B] uint32 (as
+        `tree_sample_reference`).
+
+    Returns:
+      n [B] int32 accepted nodes, path [B, T] int32 (as `tree_sample_reference`), the p row the
+      final token is drawn from [B] int32 and the tokens it excludes (rejected at that node)
+      [B, T] int32, -1 padded.
+    """
     t = tokens.shape[1]
     v = p.shape[-1]
     rows = jnp.clip(parents + 1, 0, t)  # [B, T] the p row each node is tested under
@@ -139,23 +165,25 @@ def one_hot_walk(p, tokens, parents, seeds):
 
 
 def _one_hot_row(p_tok, tokens, parents, seed):
+    """One row of `one_hot_walk`: p_tok [T] (each node's token's probability under its parent's
+    row), tokens, parents [T], seed [] -> (n [], path [T], final row [], excluded tokens [T])."""
     t = tokens.shape[0]
-    nodes = jnp.arange(t)
+    nodes = jnp.arange(t)  # [T]
 
     def test(carry, i):
         cur, mass, ptr, done, n, path, rejected = carry  # rejected [T]: nodes rejected at cur
-        cand_ok = (parents == cur) & (nodes > ptr)
-        cand = jnp.where(jnp.any(cand_ok), jnp.argmax(cand_ok), -1)
+        cand_ok = (parents == cur) & (nodes > ptr)  # [T] untried children of cur
+        cand = jnp.where(jnp.any(cand_ok), jnp.argmax(cand_ok), -1)  # [] the next one, -1: none left
         live = (~done) & (cand >= 0)
         c = jnp.maximum(cand, 0)
         again = jnp.any(rejected & (tokens == tokens[c]))  # a token already rejected here has no mass left
         p_c = jnp.where(again, 0.0, p_tok[c])
-        u = hash_uniform(seed, i.astype(jnp.uint32), jnp.uint32(ACCEPT_STREAM))
+        u = hash_uniform(seed, i.astype(jnp.uint32), jnp.uint32(ACCEPT_STREAM))  # []
         accept = live & (u * mass < p_c)
         reject = live & ~accept
-        mass = jnp.where(accept, 1.0, jnp.where(reject, mass - p_c, mass))
-        rejected = jnp.where(accept, False, rejected | (reject & (nodes == cand)))
-        path = jnp.where(accept, path.at[n].set(cand), path)
+        mass = jnp.where(accept, 1.0, jnp.where(reject, mass - p_c, mass))  # [] the residual's mass
+        rejected = jnp.where(accept, False, rejected | (reject & (nodes == cand)))  # [T]
+        path = jnp.where(accept, path.at[n].set(cand), path)  # [T]
         n = n + accept.astype(jnp.int32)
         ptr = jnp.where(live, cand, ptr)
         cur = jnp.where(accept, cand, cur)
@@ -177,18 +205,19 @@ def _race_reference(p_row, excluded, seeds, t):
     T + 1, v)); the row's argmax when no token is left (a target law of zeros there)."""
     v = p_row.shape[-1]
     keep = jax.vmap(lambda ex: jnp.ones((v,), bool).at[jnp.where(ex >= 0, ex, v)].set(False, mode="drop"))(excluded)
-    vocab = jnp.arange(v, dtype=jnp.uint32)[None]
+    vocab = jnp.arange(v, dtype=jnp.uint32)[None]  # [1, V]
     e = -jnp.log(hash_uniform(seeds[:, None].astype(jnp.uint32), jnp.uint32(t + 1), vocab))  # [B, V]
-    score = jnp.where(keep & (p_row > 0), p_row / e, -1.0)
+    score = jnp.where(keep & (p_row > 0), p_row / e, -1.0)  # [B, V]; keep [B, V]
     return jnp.where(jnp.max(score, axis=1) > 0, jnp.argmax(score, axis=1), jnp.argmax(p_row, axis=1))
 
 
 def _finish(n, path, tokens, final):
+    """n [B], path [B, T], tokens [B, T], final [B] -> (n, path, emitted tokens [B, T+1])."""
     t = tokens.shape[1]
-    idx = jnp.arange(t + 1)[None]
+    idx = jnp.arange(t + 1)[None]  # [1, T+1]
     path_tok = jnp.pad(jnp.take_along_axis(tokens, jnp.maximum(path, 0), axis=1), ((0, 0), (0, 1)),
                        constant_values=-1)  # [B, T+1]
-    emitted = jnp.where(idx < n[:, None], path_tok, jnp.where(idx == n[:, None], final[:, None], -1))
+    emitted = jnp.where(idx < n[:, None], path_tok, jnp.where(idx == n[:, None], final[:, None], -1))  # [B, T+1]
     return n, path, emitted.astype(jnp.int32)
 
 
@@ -199,7 +228,8 @@ RACE_TILE = 2048  # vocabulary lanes per block
 
 
 def _race_kernel(seed_ref, excl_ref, p_ref, score_ref, arg_ref, *, tile: int, vocab: int, pos: int):
-    """One (row block, vocab tile): the tile's best p / E over the tokens kept, first index on ties."""
+    """One (row block, vocab tile): the tile's best p / E over the tokens kept, first index on ties.
+    seed_ref [R, 1]; excl_ref [R, E]; p_ref [R, TV]; outputs score_ref, arg_ref [1, R, 1]."""
     j = pl.program_id(1)
     p = p_ref[...].astype(jnp.float32)  # [R, TV]
     lanes = j * tile + jax.lax.broadcasted_iota(jnp.int32, p.shape, 1)  # [R, TV]
@@ -207,9 +237,9 @@ def _race_kernel(seed_ref, excl_ref, p_ref, score_ref, arg_ref, *, tile: int, vo
     for e in range(excl_ref.shape[1]):  # the excluded tokens, one column [R, 1] at a time
         keep = keep & (lanes != excl_ref[:, pl.ds(e, 1)])
     u = hash_uniform(seed_ref[...], jnp.uint32(pos), lanes.astype(jnp.uint32))  # [R, TV]
-    score = jnp.where(keep & (p > 0), p / -jnp.log(u), -1.0)
+    score = jnp.where(keep & (p > 0), p / -jnp.log(u), -1.0)  # [R, TV]
     best = jnp.max(score, axis=1, keepdims=True)  # [R, 1]
-    arg = jnp.min(jnp.where(score == best, lanes, jnp.int32(2**30)), axis=1, keepdims=True)
+    arg = jnp.min(jnp.where(score == best, lanes, jnp.int32(2**30)), axis=1, keepdims=True)  # [R, 1]
     score_ref[...] = best[None]
     arg_ref[...] = arg[None]
 
@@ -232,18 +262,29 @@ def _race_compiler_params(backend, interpret):
 
 @functools.partial(jax.jit, static_argnames=("t", "interpret", "backend"))
 def tree_race_pallas(p_row, excluded, seeds, t: int, interpret=False, backend: str | None = None):
-    """`_race_reference` as a Pallas kernel: p_row [B, V], excluded [B, E] int32 (-1 padded),
-    seeds [B] uint32 -> final tokens [B] int32. Grid (row blocks, vocab tiles), both parallel:
+    """`_race_reference` as a Pallas kernel. Grid (row blocks, vocab tiles), both parallel:
     every program writes its tile's best score and index ([tiles, B, 1]: the last two block dims
     (R, 1) suit TPU's (8, 128) rule, all dims powers of two for Triton); a small jnp pass takes
-    the first best tile, so the result equals the reference's argmax."""
+    the first best tile, so the result equals the reference's argmax.
+
+    Args:
+      p_row: [B, V] the target row each final token is drawn from.
+      excluded: [B, E] int32 tokens rejected at that row (-1 padded).
+      seeds: [B] uint32.
+      t: T, the tree's node count (the race's counter is T + 1).
+      interpret: Pallas interpret mode (CPU).
+      backend: "mosaic_tpu" | "triton" | "mosaic_gpu" | None (compiler parameters).
+
+    Returns:
+      [B] int32 final tokens.
+    """
     b, v = p_row.shape
     r, tv = RACE_ROWS, min(RACE_TILE, -(-v // 128) * 128)
     bp, vp = -(-b // r) * r, -(-v // tv) * tv
     e = 1 << max(excluded.shape[1] - 1, 0).bit_length()  # a power of two
-    p_pad = jnp.pad(p_row, ((0, bp - b), (0, vp - v)))
-    excl = jnp.pad(excluded.astype(jnp.int32), ((0, bp - b), (0, e - excluded.shape[1])), constant_values=-1)
-    seed = jnp.pad(seeds.astype(jnp.uint32), (0, bp - b)).reshape(bp, 1)
+    p_pad = jnp.pad(p_row, ((0, bp - b), (0, vp - v)))  # [Bp, Vp]
+    excl = jnp.pad(excluded.astype(jnp.int32), ((0, bp - b), (0, e - excluded.shape[1])), constant_values=-1)  # [Bp, E]
+    seed = jnp.pad(seeds.astype(jnp.uint32), (0, bp - b)).reshape(bp, 1)  # [Bp, 1]
     grid = (bp // r, vp // tv)
     score, arg = pl.pallas_call(
         functools.partial(_race_kernel, tile=tv, vocab=v, pos=t + 1),
@@ -258,15 +299,24 @@ def tree_race_pallas(p_row, excluded, seeds, t: int, interpret=False, backend: s
         name="tree_race",
     )(seed, excl, p_pad)
     score, arg = score[:, :b, 0], arg[:, :b, 0]  # [tiles, B]
-    first = jnp.argmax(score, axis=0)  # the first tile holding the best score
-    best = jnp.take_along_axis(score, first[None], axis=0)[0]
-    won = jnp.take_along_axis(arg, first[None], axis=0)[0]
+    first = jnp.argmax(score, axis=0)  # [B] the first tile holding the best score
+    best = jnp.take_along_axis(score, first[None], axis=0)[0]  # [B]
+    won = jnp.take_along_axis(arg, first[None], axis=0)[0]  # [B]
     return jnp.where(best > 0, won, jnp.argmax(p_row, axis=1)).astype(jnp.int32)
 
 
 def tree_sample_pallas(p, tokens, parents, seeds, interpret=False, backend: str | None = None):
     """`tree_sample_reference` for deterministic candidates (q = None), the final race as a Pallas
-    kernel. Same arguments (no q) and results."""
+    kernel.
+
+    Args:
+      p, tokens, parents, seeds: as `tree_sample_reference` (p [B, T+1, V], tokens and parents
+        [B, T], seeds [B]).
+      interpret, backend: as `tree_race_pallas`.
+
+    Returns:
+      As `tree_sample_reference`: n_accepted [B], path [B, T], tokens [B, T+1].
+    """
     n, path, row, excluded = one_hot_walk(p, tokens, parents, seeds)
     final = tree_race_pallas(_final_row(p, row), excluded, seeds, tokens.shape[1], interpret, backend)
     return _finish(n, path, tokens, final)
@@ -274,7 +324,16 @@ def tree_sample_pallas(p, tokens, parents, seeds, interpret=False, backend: str 
 
 @functools.lru_cache(maxsize=None)
 def tree_kernel_lowers(backend: str, platform: str, b: int, t: int, v: int) -> bool:
-    """Whether the race kernel lowers for `platform` with `backend` (`jax.export`; no device)."""
+    """Whether the race kernel lowers for `platform` with `backend` (`jax.export`; no device).
+
+    Args:
+      backend: "mosaic_tpu" | "triton" | "mosaic_gpu".
+      platform: a `jax.export` platform ("tpu", "cuda", ...).
+      b, t, v: B rows, T tree nodes, V vocabulary.
+
+    Returns:
+      True when `tree_race_pallas` lowers (cached per argument tuple).
+    """
     from jax import export
 
     args = [jax.ShapeDtypeStruct((b, v), jnp.float32), jax.ShapeDtypeStruct((b, t), jnp.int32),
@@ -291,9 +350,20 @@ def tree_kernel_lowers(backend: str, platform: str, b: int, t: int, v: int) -> b
 
 
 def tree_sample(p, tokens, parents, seeds, implementation: str = "auto"):
-    """Dispatch for deterministic candidates, as `rejection_sample` does: "reference", "pallas"
-    (interpret mode on CPU) or "auto" (the reference on CPU; on GPU/TPU the kernel with the first
-    backend that lowers, else the reference)."""
+    """Dispatch for deterministic candidates, as `rejection_sample` does.
+
+    Args:
+      p, tokens, parents, seeds: as `tree_sample_reference` (p [B, T+1, V], tokens and parents
+        [B, T], seeds [B]).
+      implementation: "reference", "pallas" (interpret mode on CPU) or "auto" (the reference on
+        CPU; on GPU/TPU the kernel with the first backend that lowers, else the reference).
+
+    Returns:
+      As `tree_sample_reference`: n_accepted [B], path [B, T], tokens [B, T+1].
+
+    Raises:
+      ValueError: an unknown `implementation`, or "pallas" where no backend lowers the kernel.
+    """
     platform = target_platform()
     if implementation == "reference" or (implementation == "auto" and platform == "cpu"):
         return tree_sample_reference(p, None, tokens, parents, seeds)

@@ -15,11 +15,11 @@ per-row arrays `[B]`, so one compiled loop serves rows with different settings.
 
 Randomness is per row, as in vLLM: row b draws from a counter-based stream keyed by its own seed,
 the row's step count and a stream id (the first token, drafts, verification), hashed into one
-uniform per (position, vocabulary index) with `pallas_kernels.rejection_sampling.hash_uniform`.
-Under speculation each row checks the drafts it would check alone (engine.py masks the rest of a
-wider pass), so a sampled row's text depends on its prompt, settings, seed and the K it ran with,
-never on its batch-mates or its place in the batch; two rows with one prompt and one seed give one
-text. `seed=None` draws a fresh seed per row.
+uniform per (position, vocabulary index) with `pallas_kernels.counter_hash.hash_uniform`. Under
+speculation each row checks the drafts it would check alone (runtime/engine.py masks the rest of
+a wider pass), so a sampled row's text depends on its prompt, settings, seed and the K it ran
+with, never on its batch-mates or its place in the batch; two rows with one prompt and one seed
+give one text. `seed=None` draws a fresh seed per row.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pallas_kernels.rejection_sampling import hash_uniform, mix32
+from pallas_kernels.counter_hash import hash_uniform, mix32
 from specjax.errors import InvalidSamplingError
 
 NEG_INF = -1e30  # finite, so 0 * masked stays 0 (no NaN) in f32 arithmetic
@@ -79,9 +79,16 @@ FIRST_TOKEN = 0xFFFFFFFF  # the step counter of the first token, sampled after t
 
 
 def derive(seeds: jax.Array, *words) -> jax.Array:
-    """Seeds `[B]` uint32 hashed with counters/stream ids (scalars or `[B]`) -> `[B]` uint32:
-    independent streams for every distinct word sequence."""
-    x = jnp.asarray(seeds).astype(jnp.uint32)
+    """Independent per-row streams: one seed for every distinct sequence of words.
+
+    Args:
+      seeds: [B] uint32 row seeds.
+      *words: counters and stream ids (a step count, `STREAM_*`), each a scalar or [B].
+
+    Returns:
+      [B] uint32 derived seeds.
+    """
+    x = jnp.asarray(seeds).astype(jnp.uint32)  # [B]
     for w in words:
         x = mix32(x ^ mix32(jnp.asarray(w, jnp.uint32) * jnp.uint32(0x9E3779B9) + jnp.uint32(0x632BE5AB)))
     return x
@@ -97,6 +104,7 @@ class SamplingArrays:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams]) -> "SamplingArrays":
+        """The B rows' settings (one `SamplingParams` a row) as `[B]` arrays."""
         return cls(
             temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
             top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
@@ -110,64 +118,87 @@ def _expand(x: jax.Array, ndim: int) -> jax.Array:
 
 
 def process_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
-    """Apply temperature, top-k, top-p. logits `[B, ..., V]` f32 -> masked scaled logits.
+    """Apply temperature, top-k, top-p (module docstring, steps 1-3).
 
-    Masked entries are NEG_INF. Greedy rows (T = 0) are returned as raw logits; callers take
-    their argmax. The vocabulary sort needed by top-k/top-p is skipped at run time when no row
-    uses either.
+    The vocabulary sort needed by top-k/top-p is skipped at run time when no row uses either.
+
+    Args:
+      logits: [B, ..., V] f32 raw logits.
+      s: the B rows' settings.
+
+    Returns:
+      [B, ..., V] f32 scaled logits, masked entries NEG_INF. Greedy rows (T = 0) are returned as
+      raw logits; callers take their argmax.
     """
     nd = logits.ndim
-    t = _expand(s.temperature, nd)
+    t = _expand(s.temperature, nd)  # [B, 1, ..., 1]
     # Shifted by the row maximum before dividing, so a tiny T cannot overflow to inf (the law is
     # shift-invariant); clamped at NEG_INF so masked entries stay finite.
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    scaled = jnp.where(t > 0, jnp.maximum((logits - top) / jnp.where(t > 0, t, 1.0), NEG_INF), logits)
-    needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
+    top = jnp.max(logits, axis=-1, keepdims=True)  # [B, ..., 1]
+    scaled = jnp.where(t > 0, jnp.maximum((logits - top) / jnp.where(t > 0, t, 1.0), NEG_INF), logits)  # [B, ..., V]
+    needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1.0))  # []
     return jax.lax.cond(needs_sort, lambda x: _truncate(x, s), lambda x: x, scaled)
 
 
 def _truncate(x: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Top-k then top-p masking of scaled logits `[B, ..., V]` (NEG_INF outside; greedy rows kept)."""
     nd = x.ndim
     v = x.shape[-1]
     srt = -jnp.sort(-x, axis=-1)  # [B, ..., V] descending
-    k = _expand(s.top_k, nd)
+    k = _expand(s.top_k, nd)  # [B, 1, ..., 1]
     kth = jnp.take_along_axis(srt, jnp.clip(k - 1, 0, v - 1), axis=-1)  # [B, ..., 1]
-    srt = jnp.where((k > 0) & (srt < kth), NEG_INF, srt)
-    probs = jax.nn.softmax(srt, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive cumulative mass
-    top_p = _expand(s.top_p, nd)
+    srt = jnp.where((k > 0) & (srt < kth), NEG_INF, srt)  # [B, ..., V]
+    probs = jax.nn.softmax(srt, axis=-1)  # [B, ..., V]
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # [B, ..., V] exclusive cumulative mass
+    top_p = _expand(s.top_p, nd)  # [B, 1, ..., 1]
     # top_p = 1 keeps everything: the f32 cumulative mass can reach 1 before the tail ends.
-    keep = (mass_before < top_p) | (top_p >= 1.0)
-    n_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
-    pth = jnp.take_along_axis(srt, n_keep - 1, axis=-1)  # smallest kept logit
-    thresh = jnp.maximum(jnp.where(k > 0, kth, NEG_INF), pth)
-    greedy = _expand(s.temperature, nd) <= 0
+    keep = (mass_before < top_p) | (top_p >= 1.0)  # [B, ..., V]
+    n_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)  # [B, ..., 1]
+    pth = jnp.take_along_axis(srt, n_keep - 1, axis=-1)  # [B, ..., 1] smallest kept logit
+    thresh = jnp.maximum(jnp.where(k > 0, kth, NEG_INF), pth)  # [B, ..., 1]
+    greedy = _expand(s.temperature, nd) <= 0  # [B, 1, ..., 1]
     return jnp.where(greedy | (x >= thresh), x, NEG_INF)
 
 
 def target_probs(logits: jax.Array, s: SamplingArrays) -> jax.Array:
-    """The distribution tokens are drawn from, `[B, ..., V]`: one-hot argmax for greedy rows."""
-    x = process_logits(logits, s)
-    greedy = _expand(s.temperature, logits.ndim) <= 0
-    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    """The distribution tokens are drawn from.
+
+    Args:
+      logits: [B, ..., V] f32 raw logits.
+      s: the B rows' settings.
+
+    Returns:
+      [B, ..., V] f32 probabilities: softmax of `process_logits`, one-hot argmax for greedy rows.
+    """
+    x = process_logits(logits, s)  # [B, ..., V]
+    greedy = _expand(s.temperature, logits.ndim) <= 0  # [B, 1, ..., 1]
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)  # [B, ..., V]
     return jnp.where(greedy, onehot, jax.nn.softmax(x, axis=-1))
 
 
 def sample(seeds: jax.Array, logits: jax.Array, s: SamplingArrays) -> jax.Array:
-    """Draw one token per position from each row's stream. seeds `[B]` uint32; logits
-    `[B, ..., V]` -> tokens `[B, ...]` int32.
+    """Draw one token per position from each row's stream.
 
     Gumbel-max: argmax(x_v - log E_v), E_v = -log u_v, with u from (row seed, position index,
-    vocabulary index); masked entries (NEG_INF) never win.
+    vocabulary index); masked entries (NEG_INF) never win. The vocabulary-sized draw is skipped at
+    run time when every row is greedy.
+
+    Args:
+      seeds: [B] uint32, one per row and draw (see `derive`).
+      logits: [B, ..., V] f32 raw logits.
+      s: the B rows' settings.
+
+    Returns:
+      [B, ...] int32 tokens (the argmax for greedy rows).
     """
-    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, ...]
 
     def draw(_):  # skipped at run time for all-greedy batches (a vocab-sized random draw)
         mid = logits.shape[1:-1]
         pos = jnp.arange(int(np.prod(mid)), dtype=jnp.int32).reshape((1, *mid, 1))  # [1, ..., 1]
         voc = jnp.arange(logits.shape[-1], dtype=jnp.int32)  # [V]
         u = hash_uniform(_expand(jnp.asarray(seeds, jnp.uint32), logits.ndim), pos, voc)  # [B, ..., V]
-        drawn = jnp.argmax(process_logits(logits, s) - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
+        drawn = jnp.argmax(process_logits(logits, s) - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)  # [B, ...]
         return jnp.where(_expand(s.temperature, logits.ndim - 1) <= 0, best, drawn)
 
     return jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda _: best, None)

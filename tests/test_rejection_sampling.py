@@ -13,13 +13,8 @@ import pytest
 from scipy import stats
 
 from pallas_kernels import rejection_sampling as rs
-from pallas_kernels.rejection_sampling import (
-    hash_uniform,
-    rejection_sample,
-    rejection_sample_pallas,
-    rejection_sample_reference,
-    unit_float,
-)
+from pallas_kernels.counter_hash import hash_uniform, unit_float
+from pallas_kernels.rejection_sampling import rejection_sample, rejection_sample_pallas, rejection_sample_reference
 from specjax.sampling import SamplingArrays, target_probs
 from specjax.verify import accept
 
