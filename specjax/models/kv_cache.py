@@ -6,9 +6,9 @@ Per layer, keys and values are both `[B*KV, S, H]`, row b's KV heads at rows
 `b*KV .. b*KV + KV - 1`: batch and KV heads are one leading dim, the attention dots' batch dim as
 stored (with `[B, KV, ...]` the dot reads a reshaped view, and at B = 1 XLA then duplicates the
 in-place cache update into a second full-size buffer). Sequence-major values with scores laid
-out `[B*KV, S, M]` (llama.py) let XLA CPU stream both buffers: measured per layer at B = 64,
-S = 2048, 5x faster than head-major values `[B*KV, H, S]` with `[.., M, S]` scores, and no slower
-at B = 1 (docs/performance.md).
+out `[B*KV, S, M]` (llama.py) let XLA CPU stream both buffers, much faster than head-major values
+`[B*KV, H, S]` at large batch and no slower at B = 1 (docs/performance.md, "KV cache layout and
+batched decoding").
 
 `lengths[b]` is the number of valid positions of row b. A forward pass over T new tokens writes
 them at positions `lengths[b] .. lengths[b] + T - 1` of each row and attends causally by absolute
@@ -18,7 +18,7 @@ advanced past them will overwrite them on its next write, and until then they si
 query can see. A pass may also leave the cache untouched (`Llama.hidden_kv`) and return its new
 keys and values as a `KVUpdate` for `KVCache.write`: the decode step picks one of several passes
 under `lax.switch` and writes the chosen one's afterwards, which XLA does in place (writes inside
-the branches made it copy every buffer).
+the branches make it copy every buffer).
 """
 
 from __future__ import annotations
@@ -36,7 +36,16 @@ class KVCache:
 
     @classmethod
     def create(cls, num_layers, batch, size, num_kv_heads, head_dim, dtype=jnp.float32):
-        shape = (batch * num_kv_heads, size, head_dim)
+        """An empty cache.
+
+        Args:
+          num_layers: L. batch: B. size: S positions per row. num_kv_heads: KV. head_dim: H.
+          dtype: of the key and value buffers.
+
+        Returns:
+          A KVCache of L x `[B*KV, S, H]` zero keys and values and lengths `[B]` = 0.
+        """
+        shape = (batch * num_kv_heads, size, head_dim)  # [B*KV, S, H]
         return cls(
             k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
             v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
@@ -52,10 +61,12 @@ class KVCache:
         return self.replace(lengths=self.lengths + jnp.asarray(n, jnp.int32))
 
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
+        """The same buffers with lengths `[B]` replaced (as int32)."""
         return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
     def write(self, new: "KVUpdate") -> "KVCache":
-        """The cache with `new`'s T positions written at each row's `lengths` (not advanced)."""
+        """The cache with `new`'s T positions (L x `[B, T, KV, H]`) written at each row's
+        `lengths` (not advanced)."""
         kv = [
             write_layer(kb, vb, k, v, self.lengths) for kb, vb, k, v in zip(self.k, self.v, new.k, new.v, strict=True)
         ]
@@ -86,10 +97,17 @@ class KVUpdate:
 
 
 def write_rows(buf: jax.Array, new: jax.Array, starts: jax.Array, axis: int = 1) -> jax.Array:
-    """Write `new` into `buf` at per-row offsets `starts [B]` along `axis`.
+    """Write `new` into `buf` at per-row offsets along `axis`.
 
-    `buf [B, ...]` and `new [B, ...]` have the same rank and agree on every dim but `axis`, where
-    `new` holds the T entries to write (e.g. `[B, S, ...]` / `[B, T, ...]` with axis 1).
+    Args:
+      buf: [B, ...] the buffer (e.g. `[B, S, ...]` with axis 1).
+      new: [B, ...] of buf's rank, agreeing on every dim but `axis`, where it holds the T entries to
+        write (e.g. `[B, T, ...]`).
+      starts: [B] int offsets along `axis`.
+      axis: the written axis (>= 1).
+
+    Returns:
+      buf's shape and dtype, row b's entries `starts[b] .. starts[b] + T - 1` replaced.
     """
 
     def one(b, n, s):
@@ -101,8 +119,16 @@ def write_rows(buf: jax.Array, new: jax.Array, starts: jax.Array, axis: int = 1)
 
 
 def write_layer(k_buf, v_buf, k, v, starts):
-    """Write one layer's new keys and values `k, v [B, T, KV, H]` at per-row offsets `starts [B]`
-    into its buffers `k_buf, v_buf [B*KV, S, H]`; returns the updated buffers."""
+    """Write one layer's new keys and values at per-row offsets.
+
+    Args:
+      k_buf, v_buf: [B*KV, S, H] the layer's buffers.
+      k, v: [B, T, KV, H] the new entries.
+      starts: [B] int32 offsets (the rows' cache lengths).
+
+    Returns:
+      (k_buf, v_buf) updated, [B*KV, S, H] each.
+    """
     b, _, kv, _ = k.shape
 
     def put(buf, new):  # buf [B*KV, S, H], new [B, T, KV, H]

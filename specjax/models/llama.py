@@ -6,8 +6,8 @@ every compiled function is a pure function of `(params, tokens, cache)` that mer
 Layers are separate modules (an `nnx.List`) run as an unrolled Python loop, each with its own
 weight arrays. Batch-1 decoding is bound by reading the weights once per token, and a `lax.scan`
 over stacked `[L, ...]` weights (or any slice of them) makes XLA copy each layer's weights into a
-fresh buffer before its matmuls: three times the memory traffic, measured 2x slower decoding on
-CPU. Unrolling costs compile time (roughly linear in depth), not run time.
+fresh buffer before its matmuls (docs/performance.md, "Layers unrolled, not scanned"). Unrolling
+costs compile time (roughly linear in depth), not run time.
 
 Weights keep the HF `[out, in]` layout and matmuls are `W @ x` ("OI,MI->OM"), the form XLA CPU
 runs fastest at M = 1 (a matrix-vector product); the few verify tokens of speculative decoding
@@ -33,24 +33,30 @@ from pallas_kernels.platform import target_platform
 from specjax.models.config import LlamaConfig
 from specjax.models.kv_cache import KVCache, KVUpdate, write_layer
 
-# Few-row matmuls on CPU (DESIGN.md §5). XLA runs `[O, I] x [I, 1]` as a matrix-vector product
-# near memory bandwidth, but hands M > 1 rows to a GEMM kernel that streams the weight at a
-# fraction of it (the LM head: 4 ms at M = 1, 10 ms at M = 4). Written as a broadcast multiply
-# and a reduction over I with output `[M, O]`, XLA emits one fused loop nest that reads each
-# weight row once from DRAM and reuses it from L1 for all M rows. Measured on SmolLM2-135M, one
-# cached forward of T tokens relative to T = 1 (29 ms): T = 4: 1.45x (GEMM: 2.2x), T = 8: 1.8x
-# (GEMM: 2.7x), T = 16: 2.4x (GEMM: 3.4x). Past 16 rows the GEMM's compute efficiency wins.
+# Few-row matmuls on CPU. XLA runs `[O, I] x [I, 1]` as a matrix-vector product near memory
+# bandwidth, but hands M > 1 rows to a GEMM kernel that streams the weight at a fraction of it.
+# Written as a broadcast multiply and a reduction over I with output `[M, O]`, XLA emits one fused
+# loop nest that reads each weight row once from DRAM and reuses it from L1 for all M rows. Past
+# 16 rows the GEMM's compute efficiency wins. Timings: docs/performance.md, "Few-row matmuls".
 FEW_ROWS_MAX = 16
 
 
 def linear(w: jax.Array, x: jax.Array, out_dtype=None) -> jax.Array:
-    """`x [..., I] @ w[O, I]^T -> [..., O]` in `out_dtype` (default: the weight's).
+    """`x @ w^T`: the fused multiply-reduce for 2..FEW_ROWS_MAX rows on CPU, else a dot.
 
     Both paths accumulate in f32 (the multiply-reduce upcasts inside its fusion rather than round
     bf16 products before the sum). Logits ask for f32 output: bf16 logits (8-bit mantissa, an ulp
     of 0.06 at 10) tie the top two tokens often. Row counts still change the summation order, so a
     K + 1-row verify pass and a one-row plain step agree to rounding, not bit for bit (README,
-    "Lossless").
+    "Lossless, and what precision does to it").
+
+    Args:
+      w: [O, I] weight (HF layout).
+      x: [..., I] inputs; M = the product of the leading dims.
+      out_dtype: dtype of the result (default: the weight's).
+
+    Returns:
+      [..., O] in `out_dtype`.
     """
     out = w.dtype if out_dtype is None else out_dtype
     lead = x.shape[:-1]
@@ -60,9 +66,9 @@ def linear(w: jax.Array, x: jax.Array, out_dtype=None) -> jax.Array:
         m = 1 << (rows - 1).bit_length()  # pad M to a power of two: 6 rows cost more than 8
         xp = jnp.pad(x2, ((0, m - rows), (0, 0))).astype(jnp.float32)  # [M', I]
         # one barrier over both operands keeps x's producer (a gather, a broadcast) out of the reduce's
-        # fusion, which would recompute it for each of the O output columns (40 ms, not 0.4, for a
-        # gather), and makes w's broadcast this call's own: two calls on one weight would otherwise
-        # share it, and XLA materialises a shared [M', O, I] (40 ms for a 4-row head in a token tree)
+        # fusion, which would recompute it for each of the O output columns, and makes w's broadcast
+        # this call's own: two calls on one weight would otherwise share it, and XLA materialises a
+        # shared [M', O, I] (docs/performance.md, "Few-row matmuls")
         w32, xp = jax.lax.optimization_barrier((w.astype(jnp.float32), xp))  # [O, I], [M', I]
         y = jnp.sum(w32[None] * xp[:, None, :], axis=-1)[:rows]  # [M', O, I] -> [M, O], fused
     else:
@@ -72,19 +78,20 @@ def linear(w: jax.Array, x: jax.Array, out_dtype=None) -> jax.Array:
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    """RMSNorm over the last axis, computed in f32: x `[..., D]`, scale `[D]` -> `[..., D]` in x's dtype."""
+    x32 = x.astype(jnp.float32)  # [..., D]
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # [..., D]
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
     """Inverse frequencies `[H/2]`, with Llama-3 `rope_scaling` applied when configured."""
     h = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # [H/2]
     if cfg.rope_scaling is None:
         return inv
     factor, lo, hi, orig = cfg.rope_scaling
-    wavelen = 2 * math.pi / inv
+    wavelen = 2 * math.pi / inv  # [H/2]
     lo_wavelen, hi_wavelen = orig / lo, orig / hi
     # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
     scaled = jnp.where(wavelen > lo_wavelen, inv / factor, inv)
@@ -102,14 +109,16 @@ def rope_tables(cfg: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x `[B, T, N, H]`; cos/sin `[B, T, H]`."""
+    """Rotate x `[B, T, N, H]` by cos/sin `[B, T, H]` (`rope_tables`) -> `[B, T, N, H]` in x's dtype."""
     half = x.shape[-1] // 2
-    x32 = x.astype(jnp.float32)
-    rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    x32 = x.astype(jnp.float32)  # [B, T, N, H]
+    rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)  # [B, T, N, H]
     return (x32 * cos[:, :, None] + rot * sin[:, :, None]).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
+    """`rms_norm` with a learned scale `[D]`."""
+
     def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
         self.scale = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
@@ -136,9 +145,17 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
 
     def project(self, x, cos, sin, queries: bool = True):
-        """x `[B, T, Din]` -> rotated q `[B, T, N, H]`, k and v `[B, T, KV, H]`. `queries` False:
-        q is None and only the fused weight's k/v rows are multiplied (context that is attended
-        to but never attends, as DFlash's injected target features)."""
+        """The fused QKV projection, q/k norms (Qwen3) and rotary embedding.
+
+        Args:
+          x: [B, T, Din] inputs.
+          cos, sin: [B, T, H] (`rope_tables`).
+          queries: False: q is None and only the fused weight's k/v rows are multiplied (context
+            that is attended to but never attends, as DFlash's injected target features).
+
+        Returns:
+          (q [B, T, N, H] rotated or None, k [B, T, KV, H] rotated, v [B, T, KV, H]).
+        """
         cfg = self.cfg
         b, t, _ = x.shape
         n, kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -148,29 +165,46 @@ class Attention(nnx.Module):
         if cfg.attention_bias:
             bias = self.qkv_bias[...] if queries else self.qkv_bias[...][lo:]
             qkv = qkv + bias.astype(qkv.dtype)
-        k = qkv[..., n * h - lo : (n + kv) * h - lo].reshape(b, t, kv, h)
-        v = qkv[..., (n + kv) * h - lo :].reshape(b, t, kv, h)
-        q = qkv[..., : n * h].reshape(b, t, n, h) if queries else None
+        k = qkv[..., n * h - lo : (n + kv) * h - lo].reshape(b, t, kv, h)  # [B, T, KV, H]
+        v = qkv[..., (n + kv) * h - lo :].reshape(b, t, kv, h)  # [B, T, KV, H]
+        q = qkv[..., : n * h].reshape(b, t, n, h) if queries else None  # [B, T, N, H]
         if cfg.qk_norm:
             k = self.k_norm(k)  # [B, T, KV, H]
             q = None if q is None else self.q_norm(q)  # [B, T, N, H]
         return (None if q is None else apply_rope(q, cos, sin)), apply_rope(k, cos, sin), v
 
     def attend(self, x, cos, sin, k_cache, v_cache, starts, mask=None):
-        """x `[B, T, Din]`; k_cache, v_cache `[B*KV, S, H]` (kv_cache.py), read only; starts `[B]`
-        (= cache lengths); mask `[B, T, T]` over the new positions (None: causal). Returns the
-        output `[B, T, D]` and the new keys and values `[B, T, KV, H]`, not written: a caller that
-        picks one of several passes under `lax.cond` writes the chosen one's afterwards, and XLA
-        then updates the cache in place (a pass that wrote inside a branch made XLA copy every
-        cache buffer twice per step)."""
+        """Attention over the cache, read only: the new keys and values are returned, not
+        written. A caller that picks one of several passes under `lax.cond` writes the chosen
+        one's afterwards, and XLA then updates the cache in place (a write inside a branch makes
+        XLA copy every cache buffer).
+
+        Args:
+          x: [B, T, Din] inputs.
+          cos, sin: [B, T, H] (`rope_tables`).
+          k_cache, v_cache: [B*KV, S, H] (kv_cache.py).
+          starts: [B] int32 cache lengths: the positions each row attends to before the new ones.
+          mask: [B, T, T] bool among the new positions (None: causal).
+
+        Returns:
+          (output [B, T, D], new k [B, T, KV, H], new v [B, T, KV, H]).
+        """
         q, k, v = self.project(x, cos, sin)
         return attention(self.cfg, self.o[...], q, k, v, k_cache, v_cache, starts, mask), k, v
 
     def __call__(self, x, cos, sin, k_cache, v_cache, starts, mask=None):
         """`attend` with the new keys and values written at `starts` first (a read of the cache
-        after its in-place update needs no copy): returns the output `[B, T, D]` and both caches.
-        `starts` None: a fresh cache (a prefill from position 0), written at 0 and not read."""
-        q, k, v = self.project(x, cos, sin)
+        after its in-place update needs no copy).
+
+        Args:
+          x, cos, sin, k_cache, v_cache, mask: as `attend`.
+          starts: [B] int32 cache lengths, or None: a fresh cache (a prefill from position 0),
+            written at 0 and not read.
+
+        Returns:
+          (output [B, T, D], k_cache [B*KV, S, H], v_cache [B*KV, S, H]) with the new entries written.
+        """
+        q, k, v = self.project(x, cos, sin)  # [B, T, N, H], [B, T, KV, H] x2
         at = jnp.zeros(x.shape[:1], jnp.int32) if starts is None else starts  # [B]
         k_cache, v_cache = write_layer(k_cache, v_cache, k, v, at)
         fresh = starts is None
@@ -180,14 +214,25 @@ class Attention(nnx.Module):
 
 
 def attention(cfg: LlamaConfig, o_weight, q, k, v, k_cache, v_cache, starts, mask=None):
-    """Grouped-query attention of T new queries `q [B, T, N, H]` over the cache's first `starts
-    [B]` positions (`k_cache, v_cache [B*KV, S, H]`; entries at `starts` and past are ignored,
-    written or not) and their own keys and values `k, v [B, T, KV, H]`, causally or, given
-    `mask [B, T, T]` (query i sees new key j), as it says (a token tree: its ancestor mask): one
-    softmax over both parts. `k_cache` None: nothing is cached before the new positions (a fresh
-    prefill), so only they are attended. (Reading an empty cache created inside the same jit would
-    be all constants: XLA then constant-folds the `[B*KV, S, M]` score reductions, minutes of
-    compile time at batch 32.) Returns the output projection `[B, T, D]`."""
+    """Grouped-query attention of T new queries over the cached positions and the new ones: one
+    softmax over both parts.
+
+    Args:
+      cfg: the model config (N, KV, H, G).
+      o_weight: [D, N*H] output projection.
+      q: [B, T, N, H] rotated queries.
+      k, v: [B, T, KV, H] the new positions' keys (rotated) and values.
+      k_cache, v_cache: [B*KV, S, H]; only each row's first `starts` positions are attended
+        (entries at `starts` and past are ignored, written or not). None: nothing is cached before
+        the new positions (a fresh prefill), so only they are attended. (An empty cache created
+        inside the same jit would be all constants, and XLA would constant-fold the score
+        reductions at compile time: docs/performance.md, "Compile time of a fresh prefill".)
+      starts: [B] int32 cache lengths (unused when k_cache is None).
+      mask: [B, T, T] bool, query i sees new key j (a token tree: its ancestor mask); None: causal.
+
+    Returns:
+      [B, T, D] the output projection.
+    """
     b, t = q.shape[:2]
     n, kv, h, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_groups
     # Queries grouped by KV head: row (b, j) of the cache serves M = T*G query vectors. Scores are
@@ -220,12 +265,14 @@ def attention(cfg: LlamaConfig, o_weight, q, k, v, k_cache, v_cache, starts, mas
         total = jnp.sum(p_old, axis=1) + jnp.sum(p_new, axis=1)  # [B*KV, M]
         out = (jnp.einsum("NSM,NSH->NMH", p_old.astype(dtype), v_cache, preferred_element_type=acc)
                + jnp.einsum("NTM,NTH->NMH", p_new.astype(dtype), v_new, preferred_element_type=acc))  # [B*KV, M, H]
-    out = (out / total[:, :, None]).astype(q.dtype)
+    out = (out / total[:, :, None]).astype(q.dtype)  # [B*KV, M, H]
     out = out.reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4)  # [B, T, KV, G, H]
     return linear(o_weight, out.reshape(b, t, n * h))
 
 
 class MLP(nnx.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))`, gate and up fused into one `[2F, D]` weight."""
+
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         init = nnx.initializers.normal(0.02)
         d, f = cfg.hidden_size, cfg.intermediate_size
@@ -233,12 +280,15 @@ class MLP(nnx.Module):
         self.down = nnx.Param(init(rngs.params(), (d, f), dtype))  # [D, F]
 
     def __call__(self, x):
+        """x `[B, T, D]` -> `[B, T, D]`."""
         gu = linear(self.gate_up[...], x)  # [B, T, 2F]
-        gate, up = jnp.split(gu, 2, axis=-1)
+        gate, up = jnp.split(gu, 2, axis=-1)  # [B, T, F] each
         return linear(self.down[...], jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm block: `x + attn(norm(x))`, then `+ mlp(norm(.))`."""
+
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.attn = Attention(cfg, rngs=rngs, dtype=dtype)
@@ -246,20 +296,25 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
 
     def attend(self, x, cos, sin, k_cache, v_cache, starts, mask=None):
-        """x `[B, T, D]` -> (output `[B, T, D]`, new k, v `[B, T, KV, H]`, not written)."""
+        """x `[B, T, D]` -> (output `[B, T, D]`, new k, v `[B, T, KV, H]`, not written); the
+        other arguments as `Attention.attend`."""
         return self._run(self.attn.attend, x, cos, sin, k_cache, v_cache, starts, mask)
 
     def __call__(self, x, cos, sin, k_cache, v_cache, starts, mask=None):
-        """`attend` with the new keys and values written: (output, k_cache, v_cache)."""
+        """`attend` with the new keys and values written: (output `[B, T, D]`, k_cache, v_cache
+        `[B*KV, S, H]`); `starts` None: a fresh cache (`Attention.__call__`)."""
         return self._run(self.attn, x, cos, sin, k_cache, v_cache, starts, mask)
 
     def _run(self, attn, x, cos, sin, k_cache, v_cache, starts, mask):
-        a, k, v = attn(self.attn_norm(x), cos, sin, k_cache, v_cache, starts, mask)
-        x = x + a
+        a, k, v = attn(self.attn_norm(x), cos, sin, k_cache, v_cache, starts, mask)  # a [B, T, D]
+        x = x + a  # [B, T, D]
         return x + self.mlp(self.mlp_norm(x)), k, v
 
 
 class Llama(nnx.Module):
+    """The decoder: embedding `[V, D]`, `cfg.num_layers` `DecoderLayer`s, final norm, LM head
+    `[V, D]` (the embedding when tied)."""
+
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
         self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
@@ -271,6 +326,7 @@ class Llama(nnx.Module):
             )
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens `[B, T]` int32 -> embeddings `[B, T, D]`."""
         return jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
 
     def head_weight(self) -> jax.Array:  # [V, D]
@@ -282,21 +338,32 @@ class Llama(nnx.Module):
 
     def hidden(self, tokens, cache: KVCache, collect: tuple[int, ...] = (), positions=None, mask=None,
                fresh: bool = False):
-        """Run the decoder over `tokens [B, T]` written at `cache.lengths`, at rope `positions
-        [B, T]` (default: lengths + t) attending as `mask [B, T, T]` says among themselves
-        (default: causal; a token tree passes its ancestor mask and lengths + depth, tree.py).
-        `fresh`: the cache holds nothing yet (a prefill from position 0): written at 0, never read.
+        """Run the decoder over new tokens written at `cache.lengths`.
 
-        Returns the final normed hidden `[B, T, D]`, the cache with the new K/V written (lengths
-        unchanged) and the hidden states of the `collect` layers `[n, B, T, D]` (or None).
+        Args:
+          tokens: [B, T] int32.
+          cache: the KV cache (S positions); rows attend to their first `lengths` entries.
+          collect: decoder layer indices (0-based) whose outputs to return.
+          positions: [B, T] int32 rope positions (default: lengths + t; a token tree passes
+            lengths + depth, tree.py).
+          mask: [B, T, T] bool attention among the new tokens (default: causal; a token tree
+            passes its ancestor mask).
+          fresh: the cache holds nothing yet (a prefill from position 0): written at 0, never read.
+
+        Returns:
+          (final normed hidden [B, T, D], the cache with the new K/V written (lengths unchanged),
+          the `collect` layers' outputs [n, B, T, D] or None).
         """
         h, ks, vs, collected = self._layers(tokens, cache, collect, positions, mask, write=True, fresh=fresh)
         return h, cache.replace(k=ks, v=vs), collected
 
     def hidden_kv(self, tokens, cache: KVCache, collect: tuple[int, ...] = (), positions=None, mask=None):
-        """`hidden` with the cache read only: returns the final normed hidden `[B, T, D]`, the
-        new keys and values (`KVUpdate` `[B, T, KV, H]` per layer, for `KVCache.write`) and the
-        collected hidden states. Same arithmetic as `hidden`."""
+        """`hidden` with the cache read only (same arguments but `fresh`; same arithmetic).
+
+        Returns:
+          (final normed hidden [B, T, D], the new keys and values as a `KVUpdate` (L x
+          [B, T, KV, H], for `KVCache.write`), the `collect` layers' outputs [n, B, T, D] or None).
+        """
         h, ks, vs, collected = self._layers(tokens, cache, collect, positions, mask, write=False)
         return h, KVUpdate(ks, vs), collected
 
@@ -308,8 +375,8 @@ class Llama(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t)) if fresh else (
                 cache.lengths[:, None] + jnp.arange(t)[None, :])  # [B, T]
-        starts = None if fresh else cache.lengths
-        cos, sin = rope_tables(self.cfg, positions)
+        starts = None if fresh else cache.lengths  # [B]
+        cos, sin = rope_tables(self.cfg, positions)  # [B, T, H] each
         outs, ks, vs = [], [], []
         for layer, k_l, v_l in zip(self.layers, cache.k, cache.v, strict=True):
             run = layer if write else layer.attend
@@ -321,10 +388,12 @@ class Llama(nnx.Module):
         return self.norm(x), tuple(ks), tuple(vs), collected
 
     def __call__(self, tokens, cache: KVCache, collect: tuple[int, ...] = ()):
-        """tokens `[B, T]` -> f32 logits `[B, T, V]`, new cache, collected hidden states."""
-        h, cache, collected = self.hidden(tokens, cache, collect)
+        """`hidden` then `logits`: tokens `[B, T]` -> (f32 logits `[B, T, V]`, the cache with the
+        new K/V written, collected hidden states `[n, B, T, D]` or None)."""
+        h, cache, collected = self.hidden(tokens, cache, collect)  # [B, T, D]
         return self.logits(h), cache, collected
 
     def new_cache(self, batch: int, size: int) -> KVCache:
+        """An empty cache for `batch` rows of `size` positions: L x `[B*KV, S, H]` zeros, lengths 0."""
         c = self.cfg
         return KVCache.create(c.num_layers, batch, size, c.num_kv_heads, c.head_dim, self.embed[...].dtype)
