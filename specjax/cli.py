@@ -222,40 +222,42 @@ def cmd_bench(a) -> int:
 
 
 def cmd_batch(a) -> int:
-    """`specjax batch`: a resumable job over a JSONL file (specjax/serving/batch.py)."""
-    from specjax.serving import batch, scaleout
-    from specjax.serving.batch_files import check_merge_paths
+    """`specjax batch`: a resumable job over a JSONL file (specjax/batch/)."""
+    from specjax.batch import parts
+    from specjax.batch.config import BatchConfig
+    from specjax.batch.files import check_merge_paths, check_paths
+    from specjax.batch.job import run_batch
 
     if a.merge:
         if a.num_processes is None:
             raise SpecjaxError("batch --merge needs --num-processes N")
         check_merge_paths(a.output, a.num_processes)
-        rows = scaleout.merge_parts(a.output, a.num_processes)
+        rows = parts.merge_parts(a.output, a.num_processes)
         print(f"specjax batch: merged {a.num_processes} parts: {rows} rows in {a.output}", file=sys.stderr)
         return 0
     check_draft_args(a)
     if a.limit is not None and a.limit < 1:
         raise SpecjaxError(f"--limit must be >= 1, got {a.limit}")
-    cfg = batch.BatchConfig(
+    cfg = BatchConfig(
         output=a.output, input=a.input, suite=a.suite, limit=a.limit, model=a.model, dtype=a.dtype,
         drafter=a.drafter, num_draft=a.num_draft, tree_topk=a.tree_topk, tree_depth=a.tree_depth,
         spec_policy=a.spec_policy, sampling=sampling_from_args(a), batch_size=a.batch_size,
         latency_class=a.latency_class, raw=a.raw, mesh=a.mesh, merge_wait=a.merge_wait, progress=not a.no_progress,
         num_processes=a.num_processes or 1, process_id=a.process_id or 0,
     )
-    batch.check_paths(cfg)  # before the rendezvous and the model load
+    check_paths(cfg)  # before the rendezvous and the model load
     if a.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        cfg.process_id, cfg.num_processes = scaleout.init_distributed(
+        cfg.process_id, cfg.num_processes = parts.init_distributed(
             a.coordinator, a.num_processes, a.process_id, stay_connected=a.stay_connected)
     elif (a.num_processes is None) != (a.process_id is None):
         raise SpecjaxError("batch: give --num-processes and --process-id together (or --coordinator)")
-    batch.run_batch(cfg)
+    run_batch(cfg)
     return 0
 
 
 def _serving_config(a):
     """The serving config: `--config` YAML, then the flags that were given."""
-    from specjax.serving.config import load_config
+    from specjax.server.config import load_config
 
     keys = {}
     for item in a.api_key_class or []:
@@ -273,11 +275,11 @@ def _serving_config(a):
 
 
 def cmd_serve(a) -> int:
-    """`specjax serve`: the OpenAI-compatible server (specjax/serving/server.py)."""
+    """`specjax serve`: the OpenAI-compatible server (specjax/server/)."""
     import logging
 
     from specjax.files import check_file_writable
-    from specjax.serving import scheduler, server
+    from specjax.server import app, scheduler
 
     cfg = _serving_config(a)
     if a.save_step_costs:  # before the model loads and warms up
@@ -299,7 +301,7 @@ def cmd_serve(a) -> int:
     name = a.served_model_name or model.name
     say(f"serving {name!r} on http://{a.host}:{a.port} (policy {cfg.policy})")
     try:
-        server.run(sched, model, name, a.host, a.port, log_level=a.log_level)
+        app.run(sched, model, name, a.host, a.port, log_level=a.log_level)
     finally:
         sched.stop()
     return 0
@@ -312,8 +314,9 @@ def _default_xla_cache() -> str:
 
 
 def cmd_serve_bench(a) -> int:
-    """`specjax serve-bench`: offered-load sweep of the serving rules (specjax/serving/loadbench.py)."""
-    from specjax.serving import loadbench, scheduler
+    """`specjax serve-bench`: offered-load sweep of the serving rules (specjax/bench/loadbench.py)."""
+    from specjax.bench import loadbench
+    from specjax.server import scheduler
 
     cfg = _serving_config(a)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]

@@ -1,4 +1,5 @@
-"""Checks that a command can write where it was told to, made before it loads anything.
+"""Checks that a command can write where it was told to, made before it loads anything, and
+`write_atomic`, how its small files are then written.
 
 The rule for every command that writes files (docs/files.md): validate everything, then write.
 These checks create nothing that outlives them: a probe file is created and removed at once.
@@ -51,3 +52,13 @@ def check_file_writable(path: str, what: str) -> None:
     if not os.path.isdir(parent):
         raise SpecjaxError(f"{what}: directory {parent} does not exist")
     check_dir_writable(parent, what)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write via a temporary file in the same directory and rename: readers see all or nothing."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

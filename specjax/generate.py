@@ -7,21 +7,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specjax.drafters import Drafter, make_drafter
-from specjax.runtime.engine import Engine
 from specjax.errors import InvalidPromptError, InvalidSamplingError
-from specjax.models.loading import Model, load_model
+from specjax.models.loading import Model, get_model
 from specjax.policy.batch import draft_variants
 from specjax.policy.costs import cost_key, measure_costs, measure_gains
 from specjax.policy.rows import AUTO
+from specjax.prompts import Prompt, check_fits, encode_prompt
+from specjax.runtime.cached import get_engine
 from specjax.sampling import SamplingParams
 from specjax.stats import AcceptanceStats
 
-Prompt = str | Sequence[dict] | Sequence[int]
-
-_MODELS: dict[tuple, Model] = {}
-_ENGINES: dict[tuple, tuple[Model, Engine]] = {}
-_DRAFTERS: dict[tuple, tuple[Model, Drafter]] = {}
 _AUTO_K: dict[str, int] = {}  # `num_draft="auto"`'s choice per model, drafter, candidates, batch bucket
 
 
@@ -58,100 +53,6 @@ class GenerationResult:
             "finish_reason": self.finish_reason,
             "stats": dataclasses.asdict(self.stats),
         }
-
-
-def get_model(model: Model | str | None, dtype: str | None = None) -> Model:
-    if isinstance(model, Model):
-        return model
-    key = (model, dtype)
-    if key not in _MODELS:
-        _MODELS[key] = load_model(model, dtype=dtype)
-    return _MODELS[key]
-
-
-
-
-def get_engine(model: Model, mesh=None) -> Engine:
-    """One engine (and its compiled code) per model and device mesh."""
-    key = (id(model), mesh)
-    hit = _ENGINES.get(key)
-    if hit is None or hit[0] is not model:
-        hit = (model, Engine(model, mesh=mesh))
-        _ENGINES[key] = hit
-    return hit[1]
-
-
-def get_drafter(spec: str | None, num_draft: int, target: Model, tree_topk: int = 1, tree_depth: int = 0) -> Drafter:
-    """`make_drafter`'s drafters, cached with their loaded draft models, so repeated calls reuse
-    compiled code."""
-    key = (id(target), spec, num_draft, tree_topk, tree_depth)
-    hit = _DRAFTERS.get(key)
-    if hit is None or hit[0] is not target:
-        hit = (target, make_drafter(spec, num_draft, target, load=lambda p, dt: get_model(p, dt),
-                                    tree_topk=tree_topk, tree_depth=tree_depth))
-        _DRAFTERS[key] = hit
-    return hit[1]
-
-
-def drafter_label(spec: str | None, d: Drafter) -> str:
-    """How reports name drafter `d` built from `spec` (`Drafter.label`)."""
-    return d.label(spec)
-
-
-def encode_prompt(model: Model, prompt: Prompt, raw: bool = False) -> list[int]:
-    """Token ids of one prompt: a string (chat template applied for chat models unless `raw`), a
-    list of chat messages, or a list of token ids.
-
-    Through the chat template, message text is text: a control-token string typed in a prompt or
-    a message (`<|im_end|>`) is encoded as the characters it is made of, never as the control
-    token (specjax/prompt_text.py). A `raw` string is encoded as the tokenizer reads it, control
-    tokens included. Text that is not valid UTF-8 (undecodable bytes, lone surrogates) raises
-    InvalidPromptError."""
-    from specjax.datasets import RawText
-    from specjax.prompt_text import check_text, encode_chat
-
-    tok = model.tokenizer
-    raw = raw or isinstance(prompt, RawText)
-    from_tokenizer = True  # ids out of the model's range then mean a mismatched tokenizer
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            raise InvalidPromptError("empty prompt")
-        check_text(prompt)
-        if tok is None:
-            raise InvalidPromptError(f"model {model.name} has no tokenizer (no tokenizer files beside its weights): "
-                                     f"give token ids through the Python API")
-        if not raw and getattr(tok, "chat_template", None):
-            ids = encode_chat(tok, [{"role": "user", "content": str(prompt)}])
-        else:
-            ids = tok(str(prompt)).input_ids
-    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise InvalidPromptError(f"model {model.name} has no chat template for messages")
-        if any("role" not in m or "content" not in m for m in prompt):
-            raise InvalidPromptError("each chat message needs 'role' and 'content'")
-        ids = encode_chat(tok, list(prompt))
-    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-                                                  for t in prompt):
-        ids, from_tokenizer = [int(t) for t in prompt], False
-    else:
-        raise InvalidPromptError(f"a prompt is a string, a list of chat messages or a list of token ids, "
-                                 f"got {type(prompt).__name__}: {str(prompt)[:60]!r}")
-    if not ids:
-        raise InvalidPromptError("empty prompt")
-    if any(t < 0 or t >= model.config.vocab_size for t in ids):
-        why = " (the tokenizer's vocabulary is larger than the model's)" if from_tokenizer else ""
-        raise InvalidPromptError(f"token id out of range [0, {model.config.vocab_size}){why}")
-    return list(ids)
-
-
-def check_fits(model: Model, n_prompt: int, max_new: int) -> None:
-    ctx = model.config.max_position_embeddings
-    if n_prompt >= ctx:
-        raise InvalidPromptError(f"prompt of {n_prompt} tokens does not fit the model's context of {ctx} tokens")
-    if n_prompt + max_new > ctx:
-        raise InvalidPromptError(
-            f"prompt of {n_prompt} tokens + max_new_tokens {max_new} exceeds the model's context of {ctx} tokens"
-        )
 
 
 def generate(
@@ -208,16 +109,16 @@ def generate(
     engine = get_engine(m, mesh)
     d = variants[max(variants)]
     if len(variants) > 1:
-        key = f"{cost_key(m, d, drafter_label(drafter, d), len(ids))}|{num_draft}"
+        key = f"{cost_key(m, d, d.label(drafter), len(ids))}|{num_draft}"
         if key not in _AUTO_K:
             gains = measure_gains(engine, ids, params, m.config.eos_token_ids, variants,
-                                  {k: drafter_label(drafter, v) for k, v in variants.items()})
+                                  {k: v.label(drafter) for k, v in variants.items()})
             _AUTO_K[key] = max(gains, key=lambda k: (gains[k][1], -k))  # ties: the smaller K
         d = variants[_AUTO_K[key]]
     if spec_policy == "auto" and d.num_draft > 0:
         costs = spec_costs
         if costs is None:
-            costs = measure_costs(engine, ids, params, m.config.eos_token_ids, d, drafter_label(drafter, d))
+            costs = measure_costs(engine, ids, params, m.config.eos_token_ids, d, d.label(drafter))
         elif len(costs) != d.accept_width + 1:
             raise InvalidSamplingError(f"spec_costs needs K + 1 = {d.accept_width + 1} entries, got {len(costs)}")
         costs = np.asarray(costs, np.float32)
@@ -237,7 +138,7 @@ def generate(
             acceptance_rate=acc.acceptance_rate,
             per_position_acceptance=acc.per_position(),
             tokens_per_second=len(row.token_ids) / seconds if seconds > 0 else 0.0,
-            drafter=drafter_label(drafter, d),
+            drafter=d.label(drafter),
             num_draft=d.num_draft,
             prefill_seconds=row.prefill_seconds,
             decode_seconds=row.decode_seconds,

@@ -1,4 +1,4 @@
-"""Batch jobs (`specjax batch`, specjax/serving/): resume after a real SIGKILL, the errors file,
+"""Batch jobs (`specjax batch`, specjax/batch/): resume after a real SIGKILL, the errors file,
 a sharded run on 4 host devices and a two-process run over loopback equal to one process, and
 the batch policy (input files and bad input: test_batch_input.py).
 
@@ -40,8 +40,8 @@ def greedy_input(tmp_path_factory) -> str:
 
 
 def config(model, inp, out, **kw):
+    from specjax.batch.config import BatchConfig
     from specjax.sampling import SamplingParams
-    from specjax.serving.batch import BatchConfig
 
     kw = dict(batch_size=BATCH, progress=False) | kw
     return BatchConfig(output=str(out), input=inp, model=model, sampling=SamplingParams(max_new_tokens=MAX_NEW), **kw)
@@ -50,7 +50,7 @@ def config(model, inp, out, **kw):
 @pytest.fixture(scope="module")
 def reference(batch_model, job_input, tmp_path_factory) -> dict:
     """id -> result row of an uninterrupted one-process, one-device run."""
-    from specjax.serving.batch import run_batch
+    from specjax.batch.job import run_batch
 
     out = tmp_path_factory.mktemp("batch_ref") / "ref.jsonl"
     summary = run_batch(config(batch_model, job_input, out))
@@ -118,7 +118,7 @@ def test_resume_after_sigkill(batch_model_dir, job_input, reference, cli_env, tm
 def test_resume_reruns_partly_done_batches(batch_model, job_input, reference, tmp_path):
     """Rows missing from the middle of batches (a kill between two rows' writes) are redone in
     their original batch: results identical, nothing written twice, the errors file not doubled."""
-    from specjax.serving.batch import run_batch
+    from specjax.batch.job import run_batch
 
     out = tmp_path / "res.jsonl"
     kept = [r for i, r in enumerate(reference.values()) if i % 3 != 1]  # a row from most batches
@@ -137,7 +137,7 @@ def test_resume_reruns_partly_done_batches(batch_model, job_input, reference, tm
 def test_sampled_rows_do_not_depend_on_the_batch_size(batch_model, job_input, reference, tmp_path):
     """Every row draws from its own seed's stream: one row per batch gives the reference's
     sampled rows (batches of 4) token for token."""
-    from specjax.serving.batch import run_batch
+    from specjax.batch.job import run_batch
 
     run_batch(config(batch_model, job_input, tmp_path / "b1.jsonl", batch_size=1))
     rows = read_rows(tmp_path / "b1.jsonl")
@@ -152,8 +152,8 @@ def test_rerun_with_other_settings_is_refused(batch_model, job_input, reference,
     target's law either way), or settings no row reads, resumes; an emptied output starts anew."""
     import dataclasses
 
+    from specjax.batch.job import run_batch
     from specjax.errors import SpecjaxError
-    from specjax.serving.batch import run_batch
 
     out = tmp_path / "res.jsonl"
     rows = [r for r in batch_job_rows() if "temperature" not in r]
@@ -176,7 +176,7 @@ def test_rerun_with_other_settings_is_refused(batch_model, job_input, reference,
 
 
 def test_errors_file_names_each_bad_row(batch_model, reference, tmp_path):
-    from specjax.serving.batch import run_batch
+    from specjax.batch.job import run_batch
 
     good = batch_job_rows()[:4]
     lines = [json.dumps(r) for r in good] + [
@@ -222,8 +222,8 @@ def test_errors_file_names_each_bad_row(batch_model, reference, tmp_path):
 
 
 def test_openai_max_tokens_and_ignored_fields():
+    from specjax.batch.inputs import BadRow, parse_input, parse_row
     from specjax.sampling import SamplingParams
-    from specjax.serving.batch import BadRow, parse_input, parse_row
 
     defaults = SamplingParams(max_new_tokens=16)
     row = parse_row(1, json.dumps({"id": 1, "prompt": "x", "max_tokens": 4}).encode(), defaults)
@@ -245,13 +245,14 @@ SHARDED_SCRIPT = r"""
 import json, sys
 import jax
 from specjax.sampling import SamplingParams
-from specjax.serving.batch import BatchConfig, run_batch
+from specjax.batch.config import BatchConfig
+from specjax.batch.job import run_batch
 model_dir, inp, out = sys.argv[1:4]
 info = {"devices": jax.local_device_count()}
 for mesh in ("data=4", "data=2,model=2"):
     run_batch(BatchConfig(output=f"{out}.{mesh}", input=inp, model=model_dir, mesh=mesh, batch_size=4,
                           sampling=SamplingParams(max_new_tokens=int(sys.argv[4])), progress=False))
-from specjax.generate import _ENGINES
+from specjax.runtime.cached import _ENGINES
 for model, engine in _ENGINES.values():
     qkv = model.params["layers"][0]["attn"]["qkv"][...]
     info[",".join(f"{k}={v}" for k, v in engine.mesh.shape.items())] = list(qkv.sharding.spec)
@@ -265,8 +266,8 @@ def test_out_of_memory_batch_runs_as_halves(batch_model, greedy_input, reference
     the uninterrupted run. Memory "runs out" (XLA's own error text) for batches of more than 2
     rows and for the longest prompt in any batch."""
     import specjax
-    from specjax.generate import encode_prompt
-    from specjax.serving.batch import run_batch
+    from specjax.batch.job import run_batch
+    from specjax.prompts import encode_prompt
 
     with open(greedy_input) as fh:
         job = [json.loads(line) for line in fh]
@@ -362,8 +363,8 @@ def test_two_processes_over_loopback_with_a_restart(batch_model_dir, job_input, 
     marker["settings"]["temperature"] = 0.5
     with open(done, "w") as fh:
         json.dump(marker, fh)
+    from specjax.batch.parts import merge_parts
     from specjax.errors import SpecjaxError
-    from specjax.serving.scaleout import merge_parts
 
     with pytest.raises(SpecjaxError, match="different settings: temperature=0.0 in part 0, temperature=0.5 in part 1"):
         merge_parts(str(out), 2)
@@ -374,8 +375,10 @@ def test_two_processes_over_loopback_with_a_restart(batch_model_dir, job_input, 
 
 def batch_of_line(model, inp: str) -> dict:
     """id -> first input line of its batch, from the job's own plan."""
+    from specjax.batch.config import BatchConfig
+    from specjax.batch.inputs import parse_input, read_input, tokenize
+    from specjax.batch.plan import plan_batches
     from specjax.sampling import SamplingParams
-    from specjax.serving.batch import BatchConfig, parse_input, plan_batches, read_input, tokenize
 
     cfg = BatchConfig(output="unused", input=inp)
     rows = [tokenize(model, r, False) for r in parse_input(read_input(cfg), SamplingParams(max_new_tokens=MAX_NEW))]
@@ -390,7 +393,7 @@ def test_auto_policy_records_cost_tables_and_resume_reuses_them(batch_model, job
     sampled rows come back bit for bit, and a greedy class whose figures are replaced by ones under
     which the rows speculate but no verify pays reruns its lost rows with the drafter, verifying
     not once."""
-    from specjax.serving.batch import run_batch
+    from specjax.batch.job import run_batch
 
     out = tmp_path / "res.jsonl"
     summary = run_batch(config(batch_model, job_input, out, drafter="ngram", num_draft=3))
@@ -439,7 +442,7 @@ def test_static_policy_by_batch_rows(batch_model, greedy_input, reference, tmp_p
     """`--spec-policy N`: speculate in batches of at most N rows (5 rows: a batch of 4 and one
     of 1); `always`: in every batch, verifying every step. Greedy rows equal plain decoding either
     way; no state file."""
-    from specjax.serving.batch import run_batch
+    from specjax.batch.job import run_batch
 
     with open(greedy_input) as fh:
         inp = write_jsonl(tmp_path / "in.jsonl", [json.loads(line) for line in fh][:5])
@@ -519,7 +522,7 @@ def test_batch_policy_state_file(tmp_path):
 def test_tree_drafting_batch_job_equals_plain(batch_model, greedy_input, reference, tmp_path):
     """`specjax batch --tree-topk 3 --tree-depth 3`: n-gram tries of 6 nodes verified every step;
     greedy rows equal plain decoding and their stats name the tree."""
-    from specjax.serving.batch import run_batch
+    from specjax.batch.job import run_batch
 
     out = tmp_path / "res.jsonl"
     run_batch(config(batch_model, greedy_input, out, drafter="ngram", num_draft=6, tree_topk=3, tree_depth=3,
@@ -533,7 +536,7 @@ def test_auto_tree_size_batch_job_equals_plain(batch_model, greedy_input, refere
     """`specjax batch --num-draft auto:2,6 --tree-topk 3`: the class's first batch times both tree
     sizes on its own rows and keeps the faster; the choice is in the policy file and the summary,
     every row ran at it, and greedy rows equal plain decoding."""
-    from specjax.serving.batch import run_batch
+    from specjax.batch.job import run_batch
 
     out = tmp_path / "res.jsonl"
     summary = run_batch(config(batch_model, greedy_input, out, drafter="ngram", num_draft="auto:2,6", tree_topk=3,

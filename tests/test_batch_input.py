@@ -1,4 +1,4 @@
-"""Batch jobs' input and output files (`specjax batch`, specjax/serving/): bad CLI input is one
+"""Batch jobs' input and output files (`specjax batch`, specjax/batch/): bad CLI input is one
 line and exit 2, a refused job leaves every file as it was and never writes its own input, input
 rows of every kind (chat, raw, suites, malformed) parse or are named bad rows.
 
@@ -76,7 +76,7 @@ def test_cli_unreadable_input_subprocess(cli_env, tmp_path):
 
 def test_suite_input_rows(tmp_path):
     """`--suite NAME --limit N` (or write_suite_jsonl) makes batch input from a packaged suite."""
-    from specjax.serving.batch import write_suite_jsonl
+    from specjax.batch.inputs import write_suite_jsonl
 
     path = str(tmp_path / "mtbench.jsonl")
     assert write_suite_jsonl("mtbench", path, limit=3) == 3
@@ -89,9 +89,10 @@ def test_raw_rows_and_the_humaneval_raw_suite(batch_model, tmp_path):
     """`"raw": true` tokenizes a prompt string without the chat template (as --raw does for all
     rows); `--suite humaneval-raw` makes such rows (it gave 16 bad rows before); a non-boolean
     raw or a raw chat-message row is a bad row."""
-    from specjax.generate import encode_prompt
+    from specjax.batch.config import BatchConfig
+    from specjax.batch.inputs import BadRow, parse_input, read_input, tokenize
+    from specjax.prompts import encode_prompt
     from specjax.sampling import SamplingParams
-    from specjax.serving.batch import BadRow, BatchConfig, parse_input, read_input, tokenize
 
     lines = read_input(BatchConfig(output="", suite="humaneval-raw", limit=2))
     parsed = parse_input(lines, SamplingParams(max_new_tokens=8), {})
@@ -113,9 +114,10 @@ def test_raw_rows_and_the_humaneval_raw_suite(batch_model, tmp_path):
 def test_batches_are_padded_to_their_own_power_of_two():
     """A group's last, short batch (its longest prompts) pads to a power of two of its own rows,
     not to --batch-size; long prompts pad to a multiple of 1024, not the next power of two."""
+    from specjax.batch.inputs import JobRow
+    from specjax.batch.plan import plan_batches
     from specjax.runtime.engine import bucket_prompt
     from specjax.sampling import SamplingParams
-    from specjax.serving.batch import JobRow, plan_batches
 
     rows = [JobRow(line=i + 1, id=i, prompt="", sampling=SamplingParams(), token_ids=[1] * (100 - i))
             for i in range(75)]
@@ -192,7 +194,7 @@ def test_unwritable_output_directory_is_refused_before_the_model_loads(where, tm
 
     from specjax.cli import main
 
-    gen = importlib.import_module("specjax.generate")  # the module (specjax.generate is the function)
+    gen = importlib.import_module("specjax.models.loading")  # the module whose load_model get_model calls
     if where == "readonly":
         if os.geteuid() == 0:
             pytest.skip("root writes into a read-only directory")
@@ -208,8 +210,8 @@ def test_unwritable_output_directory_is_refused_before_the_model_loads(where, tm
 
 
 def test_rows_nested_too_deeply_or_with_huge_numbers_are_bad_rows():
+    from specjax.batch.inputs import BadRow, parse_row
     from specjax.sampling import SamplingParams
-    from specjax.serving.batch import BadRow, parse_row
 
     d = SamplingParams()
     cases = {b"[" * 100_000: "nested too deeply", b'{"id": 1' + b"0" * 5000 + b', "prompt": "x"}': "invalid JSON",
@@ -222,8 +224,8 @@ def test_rows_nested_too_deeply_or_with_huge_numbers_are_bad_rows():
 
 def test_chat_rows_encode_control_token_strings_as_text(batch_model):
     """Role injection in a batch job's messages (issue 29, item 9): the typed strings are text."""
+    from specjax.batch.inputs import JobRow, tokenize
     from specjax.sampling import SamplingParams
-    from specjax.serving.batch import JobRow, tokenize
 
     tok = batch_model.tokenizer
     control = {tok.convert_tokens_to_ids(s) for s in ("<|im_start|>", "<|im_end|>")}

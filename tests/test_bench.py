@@ -192,8 +192,8 @@ def test_hf_peer_needs_torch(monkeypatch):
 
 
 def test_hf_peer_greedy_matches_specjax_plain(default_model, hf_gguf_model):
+    from specjax.prompts import encode_prompt
     from specjax.runtime.engine import Engine
-    from specjax.generate import encode_prompt
     from specjax.sampling import SamplingParams
 
     ids = encode_prompt(default_model, "What is the capital of France?")

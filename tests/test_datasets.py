@@ -4,7 +4,7 @@ import pytest
 
 from specjax import datasets
 from specjax.errors import SpecjaxError
-from specjax.generate import encode_prompt
+from specjax.prompts import encode_prompt
 
 
 def test_suite_sizes_and_formats():

@@ -322,7 +322,7 @@ def reference_chat_ids(tok, messages):
 
 
 def test_chat_encoding_equals_the_tokenizers_when_content_has_no_control_tokens(tiny_model):
-    from specjax.generate import encode_prompt
+    from specjax.prompts import encode_prompt
 
     tok = tiny_model.tokenizer
     for content in ORDINARY:
@@ -340,7 +340,7 @@ def test_chat_encoding_equals_the_tokenizers_when_content_has_no_control_tokens(
 def test_control_token_strings_in_messages_are_text(tiny_model, content):
     """Role injection (issue 29): typed control-token strings stay text through the template, for
     message lists and for non-raw string prompts; `raw` keeps reading them as the tokenizer does."""
-    from specjax.generate import encode_prompt
+    from specjax.prompts import encode_prompt
 
     tok = tiny_model.tokenizer
     control = {tok.convert_tokens_to_ids(s) for s in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")}

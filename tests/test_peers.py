@@ -188,8 +188,8 @@ def test_llamacpp_greedy_tokens_against_specjax_plain(llamacpp_peer, default_mod
     import numpy as np
     from llama_cpp import Llama
 
+    from specjax.prompts import encode_prompt
     from specjax.runtime.engine import Engine
-    from specjax.generate import encode_prompt
     from specjax.sampling import SamplingParams
 
     eos = default_model.config.eos_token_ids

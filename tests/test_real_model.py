@@ -13,8 +13,8 @@ from flax import nnx
 
 import specjax
 from helpers import rel_err
-from specjax.generate import encode_prompt
 from specjax.models.loading.mapping import params_to_hf
+from specjax.prompts import encode_prompt
 
 pytestmark = pytest.mark.slow
 

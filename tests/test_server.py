@@ -19,13 +19,13 @@ import pytest
 import specjax
 from helpers import specjax_cli_cmd, tiny_checkpoint_with_tokenizer
 from specjax.drafters import make_drafter
+from specjax.prompts import encode_prompt
 from specjax.runtime.engine import Engine
-from specjax.generate import encode_prompt
-from specjax.sampling import SamplingParams
-from specjax.serving.config import ServingConfig
-from specjax.serving.scheduler import Scheduler, build_scheduler
-from specjax.serving.server import ServerThread, build_app
 from specjax.runtime.slots import SlotEngine
+from specjax.sampling import SamplingParams
+from specjax.server.app import ServerThread, build_app
+from specjax.server.config import ServingConfig
+from specjax.server.scheduler import Scheduler, build_scheduler
 
 openai = pytest.importorskip("openai")
 

@@ -14,18 +14,18 @@ from helpers import REPO
 from specjax.drafters.base import Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
-from specjax.runtime.engine import Engine
 from specjax.errors import SpecjaxError
 from specjax.models.config import tiny
 from specjax.models.loading import random_model
 from specjax.policy.chunks import Policy
 from specjax.policy.costs import StepCosts
-from specjax.policy.monitor import AcceptanceMonitor, DecisionLog, Estimate
-from specjax.sampling import SamplingParams
-from specjax.serving.config import MonitorConfig, ServingConfig, load_config
-from specjax.serving.metrics import ServingMetrics
-from specjax.serving.scheduler import Request, Scheduler
+from specjax.policy.monitor import AcceptanceMonitor, DecisionLog, Estimate, MonitorConfig
+from specjax.runtime.engine import Engine
 from specjax.runtime.slots import SlotEngine
+from specjax.sampling import SamplingParams
+from specjax.server.config import ServingConfig, load_config
+from specjax.server.metrics import ServingMetrics
+from specjax.server.scheduler import Request, Scheduler
 from specjax.stats import AcceptanceStats
 
 V = 512
@@ -342,7 +342,7 @@ def test_interactive_admitted_first(engine, prompts):
 
 def test_load_sweep_point_and_summary(engine, target, prompts):
     """The serve-bench machinery on the tiny engine: every mode at two loads, nothing lost."""
-    from specjax.serving import loadbench
+    from specjax.bench import loadbench
 
     pool = {"interactive": prompts[:4], "batch": prompts[4:8]}
     scheds = loadbench.start_modes(engine, config(), (), loadbench.MODES)
@@ -429,7 +429,7 @@ def test_policy_prices_k_on_lowered_acceptance():
 
 
 def test_load_bench_clients_run_fixed_work_and_summary_takes_medians():
-    from specjax.serving import loadbench
+    from specjax.bench import loadbench
 
     work = loadbench.client_requests(4, 10, 0.5)
     assert [c for c, _ in work] == ["interactive", "interactive", "batch", "batch"]

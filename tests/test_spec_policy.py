@@ -15,12 +15,12 @@ import pytest
 import specjax
 from specjax.drafters import make_drafter
 from specjax.drafters.base import Drafter, Proposal
-from specjax.runtime.engine import Engine
-from specjax.generate import encode_prompt
 from specjax.models.config import tiny
 from specjax.models.loading import random_model
 from specjax.policy import costs as policy_costs
 from specjax.policy import rows as policy_rows
+from specjax.prompts import encode_prompt
+from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingParams
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.",

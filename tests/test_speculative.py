@@ -6,10 +6,10 @@ import pytest
 import specjax
 from specjax.drafters import make_drafter
 from specjax.drafters.draft_model import DraftModelDrafter
-from specjax.runtime.engine import Engine
 from specjax.errors import DrafterError
-from specjax.generate import encode_prompt
 from specjax.models.loading.export import save_hf, truncate_layers
+from specjax.prompts import encode_prompt
+from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingParams
 
 PROMPTS = [

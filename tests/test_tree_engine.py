@@ -17,13 +17,13 @@ from specjax.drafters import make_drafter
 from specjax.drafters.base import vocab_maps
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_weights
-from specjax.runtime.engine import Engine
 from specjax.errors import DrafterError
 from specjax.models.config import tiny
 from specjax.models.loading import random_model
 from specjax.models.tree import first_children
 from specjax.policy.costs import cost_table
 from specjax.policy.rows import AUTO
+from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingArrays, SamplingParams
 from specjax.verify import accept_tree
 
@@ -34,7 +34,7 @@ PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
 
 @pytest.fixture(scope="module")
 def real(default_model):
-    from specjax.generate import encode_prompt
+    from specjax.prompts import encode_prompt
 
     engine = Engine(default_model)
     ids = [encode_prompt(default_model, p) for p in PROMPTS[:2]] + [default_model.tokenizer(PROMPTS[2]).input_ids]

@@ -35,9 +35,9 @@ import numpy as np
 from flax import nnx
 
 from specjax.datasets import sharegpt_split
-from specjax.runtime.engine import Engine
-from specjax.generate import encode_prompt
 from specjax.models.loading import Model
+from specjax.prompts import encode_prompt
+from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingParams
 
 META = "meta.json"

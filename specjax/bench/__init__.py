@@ -1,1 +1,2 @@
-"""Benchmarks behind `specjax bench` (never timed unit tests)."""
+"""Benchmarks behind `specjax bench` and `specjax serve-bench` (`loadbench.py`: the serving rules
+under offered load); never timed unit tests."""

@@ -36,11 +36,12 @@ from flax import nnx
 from specjax.bench import report as rep
 from specjax.bench.common import PeakMemory, compiled_memory_mb, timed
 from specjax.drafters.base import InitContext, StepContext
-from specjax.runtime.engine import Engine, _prefill
+from specjax.drafters.cached import get_drafter
 from specjax.errors import DrafterError
-from specjax.generate import drafter_label, encode_prompt, get_drafter
 from specjax.policy.costs import measure_costs
 from specjax.policy.rows import AUTO
+from specjax.prompts import encode_prompt
+from specjax.runtime.engine import Engine, _prefill
 from specjax.sampling import SamplingArrays, SamplingParams
 from specjax.stats import AcceptanceStats
 from specjax.verify import accept, accept_tree
@@ -343,7 +344,7 @@ def run_speculative_bench(model, suite_ids: dict[str, list[list[int]]], configs:
                     if c.spec_policy == "auto" and (c.key, b) not in tables:  # as `generate` gets it
                         tables[(c.key, b)] = measure_costs(engine, batches[0], row_params(sampling, 0, b),
                                                            model.config.eos_token_ids, c.drafter,
-                                                           drafter_label(c.spec, c.drafter))
+                                                           c.drafter.label(c.spec))
                     run_config(engine, batches[:1], sampling, c.drafter, advance, tables.get((c.key, b)))
                     warm[c.key], comp_s[c.key] = time.perf_counter() - t0, engine.compile_seconds - c0
                     new = [v for k, v in _compiled(engine).items() if k not in before]

@@ -85,8 +85,8 @@ def parse_policy(value) -> str | int:
 def draft_variants(spec: str | None, num_draft, model, tree_topk: int = 1, tree_depth: int = 0) -> dict:
     """K -> drafter: the one `--num-draft K` names, or `--num-draft auto`'s candidates (those
     of the defaults the drafter can draft; explicit ones must all be draftable)."""
+    from specjax.drafters.cached import get_drafter
     from specjax.errors import DrafterError
-    from specjax.generate import get_drafter
 
     k = parse_num_draft(num_draft)
     if isinstance(k, int) or (spec or "none").strip() == "none":
@@ -150,7 +150,7 @@ class BatchPolicy:
         self.classes = classes
 
     def _save(self) -> None:
-        from specjax.serving.scaleout import write_atomic
+        from specjax.files import write_atomic
 
         state = {"version": FILE_VERSION, "drafter": self.drafter, "num_draft": self.num_draft,
                  "classes": self.classes}

