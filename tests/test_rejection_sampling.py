@@ -16,7 +16,7 @@ from pallas_kernels import rejection_sampling as rs
 from pallas_kernels.counter_hash import hash_uniform, unit_float
 from pallas_kernels.rejection_sampling import rejection_sample, rejection_sample_pallas, rejection_sample_reference
 from specjax.sampling import SamplingArrays, target_probs
-from specjax.verify import accept
+from specjax.verify import accept_chain
 
 N_DRAWS = 100_000
 N_PALLAS_DRAWS = 20_000  # interpret mode is slow; the exact-agreement test covers the rest
@@ -368,9 +368,9 @@ def test_greedy_accept_fast_path_matches_sampler():
             drafts[i, j] = (drafts[i, j] + 1) % v
     drafts = jnp.asarray(drafts, jnp.int32)
     samp = SamplingArrays(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b))
-    n1, t1 = accept(logits, drafts, None, samp, jnp.arange(b, dtype=jnp.uint32), all_greedy=True)
-    n2, t2 = accept(
-        logits, drafts, None, samp, jnp.arange(b, dtype=jnp.uint32), all_greedy=False, implementation="reference"
+    n1, t1 = accept_chain(logits, drafts, None, samp, jnp.arange(b, dtype=jnp.uint32), greedy=True)
+    n2, t2 = accept_chain(
+        logits, drafts, None, samp, jnp.arange(b, dtype=jnp.uint32), greedy=False, implementation="reference"
     )
     np.testing.assert_array_equal(np.asarray(n1), np.asarray(n2))
     np.testing.assert_array_equal(np.asarray(t1), np.asarray(t2))

@@ -44,7 +44,7 @@ from specjax.prompts import encode_prompt
 from specjax.runtime.engine import Engine, _prefill
 from specjax.sampling import SamplingArrays, SamplingParams
 from specjax.stats import AcceptanceStats
-from specjax.verify import accept, accept_tree
+from specjax.verify import accept_chain, accept_tree
 
 CHAIN = "chain"
 
@@ -219,7 +219,7 @@ def _accept_fn(greedy: bool, implementation: str, tree_depth: int):
     if tree_depth:
         return jax.jit(lambda lg, d, par, samp, seeds: accept_tree(lg, d, par, samp, seeds, greedy, tree_depth,
                                                                    implementation))
-    return jax.jit(lambda lg, d, q, samp, seeds: accept(lg, d, q, samp, seeds, greedy, implementation))
+    return jax.jit(lambda lg, d, q, samp, seeds: accept_chain(lg, d, q, samp, seeds, greedy, implementation))
 
 
 def component_times(engine: Engine, drafter, prompt_ids: list[int], sampling: SamplingParams, batch: int = 1,
@@ -259,7 +259,7 @@ def component_times(engine: Engine, drafter, prompt_ids: list[int], sampling: Sa
 
 
 def _compiled(engine: Engine) -> dict:
-    return dict(getattr(engine, "_compiled", {}) or {})
+    return dict(engine.compiled.executables)
 
 
 def _row(suite, temp, b, c: Config, runs: list[RunFigures], warm: float, compile_s: float, peak: tuple,

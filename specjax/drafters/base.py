@@ -69,14 +69,22 @@ class StepContext:
     sampling: SamplingArrays
     seeds: jax.Array  # [B] uint32, each row's seed for this step's drafts (`draft_token(..., i)`)
     all_greedy: bool = struct.field(pytree_node=False)
-    # What the engine verifies: a step runs the (K+1)-token pass iff `force_verify` or some live
-    # row's proposal is active. A gated drafter may stop drafting early when it sees the pass will
-    # not run (its remaining drafts would be thrown away). None: unknown (e.g. timing propose alone).
-    live: Any = None  # [B] bool
+    # Rows the engine lets verify this step (live, and allowed by the speculation policy), and
+    # whether it verifies every live row regardless (timing). None: unknown (e.g. timing propose
+    # alone). Gated drafters ask `verifies(active)` rather than re-deriving the engine's rule.
+    verify_rows: Any = None  # [B] bool
     force_verify: Any = False  # bool or traced [] bool
     # The speculation policy's step costs `[K + 1]` f32 (verifying L drafts costs costs[L] plain
     # steps), for drafters that choose their own verify length; None: no policy, no table.
     costs: Any = None
+
+    def verifies(self, active):
+        """Whether this step's verify pass runs, given the drafter's `active` [B] bool rows: the
+        engine runs it iff some row it lets verify is active, or it forces verification. Returns
+        a [] bool, or None when the engine did not say (`verify_rows` None: draft everything)."""
+        if self.verify_rows is None:
+            return None
+        return jnp.any(active & self.verify_rows) | self.force_verify
 
 
 @struct.dataclass

@@ -72,6 +72,9 @@ class Eagle3Config:
     @classmethod
     def for_target(cls, target: LlamaConfig, draft_vocab_size: int = 8192,
                    target_layers: tuple[int, ...] | None = None, intermediate_size: int | None = None):
+        """A specjax EAGLE-3 for `target`: its layer shape, a draft vocabulary of at most
+        `draft_vocab_size` tokens, `target_layers` (default `default_target_layers`) and an FFN of
+        `intermediate_size` (default the target's)."""
         n = target.num_layers
         layers = tuple(target_layers) if target_layers else default_target_layers(n)
         return cls(
@@ -165,14 +168,23 @@ class Eagle3(nnx.Module):
         return self.norm(g) if self.cfg.norm_output else g
 
     def step(self, emb: jax.Array, feat: jax.Array, cache: KVCache, positions=None, mask=None, fresh: bool = False):
-        """One pass over T positions written at `cache.lengths` (one-layer cache; lengths
-        unchanged), at rope `positions [B, T]` (default lengths + t) attending among themselves as
-        `mask [B, T, T]` says (default causal; a token tree: its ancestor mask). `fresh`: the cache
-        is empty (written from position 0, not read; llama.attention). Returns g `[B, T, D]` and
-        the cache."""
+        """One pass of the drafter's layer over T positions written at `cache.lengths`.
+
+        Args:
+          emb: [B, T, D] embeddings of the next tokens.
+          feat: [B, T, D] features (fused target features, or the drafter's own fed-back g).
+          cache: the one-layer cache; lengths unchanged.
+          positions: [B, T] rope positions (default lengths + t).
+          mask: [B, T, T] attention among the new positions (default causal; a token tree: its
+            ancestor mask).
+          fresh: the cache is empty (written from position 0, not read; llama.attention).
+
+        Returns:
+          (g [B, T, D], the cache with the new positions written).
+        """
         if positions is None:
             positions = cache.lengths[:, None] + jnp.arange(emb.shape[1])[None]  # [B, T]
-        cos, sin = rope_tables(self.cfg.layer_config(), positions)
+        cos, sin = rope_tables(self.cfg.layer_config(), positions)  # [B, T, H] each
         a, k, v = self.attn(self.layer_input(emb, feat), cos, sin, cache.k[0], cache.v[0],
                             None if fresh else cache.lengths, mask)
         return self.finish(feat, a), cache.replace(k=(k,), v=(v,))
@@ -182,6 +194,7 @@ class Eagle3(nnx.Module):
         return linear(self.head[...], g if self.cfg.norm_output else self.norm(g), jnp.float32)
 
     def new_cache(self, batch: int, size: int) -> KVCache:
+        """An empty one-layer cache: `[B*KV, S, H]` keys and values, lengths 0."""
         c = self.cfg
         return KVCache.create(1, batch, size, c.num_kv_heads, c.head_dim, self.fc[...].dtype)
 
@@ -202,6 +215,7 @@ class Eagle3Weights:
 
 
 def init_weights(cfg: Eagle3Config, d2t: np.ndarray, seed: int = 0, dtype=jnp.float32) -> Eagle3Weights:
+    """Random weights (the start of training) with the draft -> target map `d2t [N]`."""
     graphdef, params = nnx.split(Eagle3(cfg, rngs=nnx.Rngs(seed), dtype=dtype))
     return Eagle3Weights(cfg, graphdef, params, jnp.asarray(d2t, jnp.int32), "random")
 
@@ -252,16 +266,14 @@ class Eagle3State:
     g_last: jax.Array  # [B, D] drafter output at position m - 1 (gives draft 1)
 
 
-# The confidence gate `make_drafter` uses on CPU, where a verify pass of K + 1 <= 8 tokens costs
-# 1.4-1.8x a plain step (docs/performance.md). Chosen by replaying gated greedy decoding on held-out
-# replies with the shipped drafter (docs/drafters.md, K = 5): always verifying estimates 0.88x;
-# gates 0.3 / 0.5 / 0.7 verify 57 / 31 / 17% of steps with MAL 1.87 / 2.23 / 2.53 on those,
-# estimating 1.00x / 1.07x / 1.07x. On GPU/TPU at small batch verifying is nearly free
-# (decoding is bound by reading the weights), so the gate is off there.
+# The confidence gate `make_drafter` uses on CPU, where a verify pass costs well over a plain step;
+# on GPU/TPU at small batch verifying is nearly free (decoding is bound by reading the weights), so
+# the gate is off there. How 0.5 was chosen: docs/drafters.md, "The confidence gate".
 CPU_MIN_CONFIDENCE = 0.5
 
 
 def default_min_confidence() -> float:
+    """The gate a bare `eagle3` spec gets: `CPU_MIN_CONFIDENCE` on CPU, 0 (always verify) elsewhere."""
     return CPU_MIN_CONFIDENCE if target_platform() == "cpu" else 0.0
 
 
@@ -341,8 +353,8 @@ class Eagle3Drafter(Drafter):
             g, drafts, qs = st.g_last, [d1], [q1]
             for i in range(1, self.num_draft):  # K is small and static: unrolled; position m + i - 1
                 emb = jnp.take(dparams["embed"], drafts[-1], axis=0)[:, None].astype(g.dtype)  # [B, 1, D]
-                g1, cache = net.step(emb, g[:, None], cache)
-                cache, g = cache.advance(1), g1[:, 0]
+                g1, cache = net.step(emb, g[:, None], cache)  # [B, 1, D]
+                cache, g = cache.advance(1), g1[:, 0]  # g [B, D]
                 tok, q = self._draft_token(dparams, net.logits(g), i, ctx)
                 drafts.append(tok.astype(jnp.int32))
                 qs.append(q)
@@ -359,9 +371,9 @@ class Eagle3Drafter(Drafter):
             q = jnp.concatenate([q1[:, None], jnp.repeat(point, self.num_draft - 1, axis=1)], axis=1)
             return draft, q, cache
 
-        if active is not None and ctx.live is not None and self.num_draft > 1:
-            # Gated rows: most steps verify nothing, so skip the K - 1 drafter steps on those.
-            needed = jnp.any(active & ctx.live) | ctx.force_verify
+        # Gated rows: most steps verify nothing, so skip the K - 1 drafter steps on those.
+        needed = None if active is None or self.num_draft == 1 else ctx.verifies(active)  # [] bool or None
+        if needed is not None:
             draft, q, cache = jax.lax.cond(needed, rest, repeat_first, st.cache)
         else:
             draft, q, cache = rest(st.cache)
@@ -391,8 +403,9 @@ class Eagle3Drafter(Drafter):
         def idle():  # no verify pass will run: any well-formed tree (a chain of zeros)
             return jnp.zeros((b, self.num_draft), jnp.int32), chain_parents(b, self.num_draft)
 
-        if active is not None and ctx.live is not None:
-            tokens, parents = jax.lax.cond(jnp.any(active & ctx.live) | ctx.force_verify, build, idle)
+        needed = None if active is None else ctx.verifies(active)  # [] bool or None
+        if needed is not None:
+            tokens, parents = jax.lax.cond(needed, build, idle)
         else:
             tokens, parents = build()
         return Proposal(tokens, None, active, parents=parents)

@@ -24,5 +24,6 @@ One rule at three time scales, because the entry points differ in what a decisio
 
 A drafter may add its own per-step judgement on top (EAGLE-3's confidence gate, the n-gram
 drafter's match length: `Proposal.active` / `length`); the policy decides which rows may verify
-(`StepContext.live`), the drafter which of its drafts are worth it.
+(`StepContext.verify_rows`; a gated drafter asks `StepContext.verifies`), the drafter which of
+its drafts are worth it.
 """

@@ -1,14 +1,14 @@
 """The slot engine: persistent per-slot decode state for continuous batching.
 
 `Engine.generate` runs a whole batch to completion. A server cannot: requests arrive and finish
-at any time. The slot engine keeps one `LoopState` (specjax/runtime/engine.py) of B rows ("slots") alive
+at any time. The slot engine keeps one `LoopState` (specjax/runtime/step.py) of B rows ("slots") alive
 across calls and offers four compiled operations on it:
 
 * `prefill(prompt_ids, ...)` runs one request's prompt through the target (batch 1, prompt
   bucket T), samples its first token and initialises the drafter: a one-row state;
 * `insert(state, slot, row)` scatters a one-row state into a slot (admission, or resuming a
   preempted row); `extract(state, slot)` gathers it back out (preemption, bucket resize);
-* `run_chunk(state, K, n)` runs up to n steps of `engine.decode_step` with the drafter at K
+* `run_chunk(state, K, n)` runs up to n steps of `step.decode_step` with the drafter at K
   (a `lax.while_loop` bounded by the step count, all-done, and, on request, the first row to
   finish, so that a queued request can take its slot).
 
@@ -43,7 +43,9 @@ from flax import nnx
 from specjax.drafters.base import Drafter, NoDrafter
 from specjax.errors import DrafterError
 from specjax.models.loading import Model
-from specjax.runtime.engine import LoopState, _prefill, bucket_multiple, bucket_pow2, decode_step, init_state
+from specjax.runtime.compile_cache import CompileCache
+from specjax.runtime.engine import _prefill, bucket_multiple, bucket_pow2
+from specjax.runtime.step import LoopState, decode_step, init_state
 from specjax.sampling import SamplingArrays, SamplingParams
 
 STOP_WIDTH = 8  # stop ids per row: EOS ids + the request's own stop_token_ids
@@ -133,10 +135,7 @@ class SlotEngine:
         self.implementation = implementation
         self.dparams = drafter.params()
         self.params = model.params
-        self._compiled: dict = {}
-        self.compile_seconds = 0.0
-        self.warm = False
-        self.compiles_after_warmup = 0
+        self.compiled = CompileCache()
         self.step_costs: dict[int, dict[int, float]] = {}  # bucket -> K -> seconds per step
         self.timing_verified: dict[int, dict[int, float]] = {}  # fraction of timed steps that verified
         self._row_like = None
@@ -144,17 +143,19 @@ class SlotEngine:
     # ---- compiled functions --------------------------------------------------------------------
 
     def _get(self, name, fn, static: dict, donate: tuple, *args):
-        key = (name, tuple(sorted((k, v.cache_key() if isinstance(v, Drafter) else v) for k, v in static.items()
-                                  if k != "graphdef")),
-               tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
-        exe = self._compiled.get(key)
-        if exe is None:
-            t0 = time.perf_counter()
-            exe = jax.jit(partial(fn, **static), donate_argnums=donate).lower(*args).compile()
-            self.compile_seconds += time.perf_counter() - t0
-            self.compiles_after_warmup += self.warm
-            self._compiled[key] = exe
-        return exe
+        """The compiled `fn`; a `graphdef` in `static` is bound but kept out of the cache key."""
+        static = dict(static)
+        if "graphdef" in static:
+            fn = partial(fn, graphdef=static.pop("graphdef"))
+        return self.compiled.get(name, fn, static, donate, *args)
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.compiled.seconds
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return self.compiled.after_warmup
 
     def prompt_bucket(self, n: int) -> int:
         return min(bucket_pow2(n), self.cache_size)
@@ -292,7 +293,7 @@ class SlotEngine:
                         self.step_costs[b][k] = cost
                         self.timing_verified.setdefault(b, {})[k] = verified
             log(f"bucket {b}: " + ", ".join(f"K={k} {c * 1e3:.2f} ms" for k, c in self.step_costs.get(b, {}).items()))
-        self.warm = True
-        log(f"warm-up: {len(self._compiled)} compiled functions in {time.perf_counter() - t0:.1f} s "
+        self.compiled.warm = True
+        log(f"warm-up: {len(self.compiled)} compiled functions in {time.perf_counter() - t0:.1f} s "
             f"({self.compile_seconds:.1f} s compiling)")
         return self.step_costs
