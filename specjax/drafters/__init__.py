@@ -179,7 +179,7 @@ class Kind:
 
 
 # n-gram: up to 15 drafts, of which it asks to verify all only behind a match of 5+ tokens, else 3
-# (NgramDrafter.verify_lengths; docs/performance.md: 2.13x vs 1.73x at K = 3 on code completion).
+# (NgramDrafter.verify_lengths; docs/performance.md, "Verify as many drafts as the match supports").
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("none", "none", _none, takes_arg=False),
     Kind("ngram", "ngram", _ngram, 15, takes_arg=False),

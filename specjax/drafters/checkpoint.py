@@ -61,6 +61,8 @@ def read_config(path: str, kind: str | None, label: str) -> dict:
 
 
 def read_tensors(path: str, label: str) -> dict[str, np.ndarray]:
+    """Every tensor of `path/model.safetensors` by name; one-line DrafterErrors (naming the
+    `label` drafter) for a missing or unreadable file."""
     from specjax.models.loading.safetensors_io import SafetensorsFile
 
     w_path = os.path.join(path, WEIGHTS_FILE)
@@ -113,6 +115,7 @@ def check_target(pairs, source: str) -> None:
 
 
 def save_draft_vocab(out_dir: str, d2t) -> str:
+    """Write the draft -> target map `d2t [N]` as `out_dir/draft_vocab.safetensors`; returns its path."""
     from specjax.models.loading.safetensors_io import save_file
 
     path = os.path.join(out_dir, VOCAB_FILE)

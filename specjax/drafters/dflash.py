@@ -136,7 +136,7 @@ class DFlash(nnx.Module):
     def context_kv(self, ctx: jax.Array, positions: jax.Array) -> KVUpdate:
         """Context features `[B, T, D]` at rope `positions [B, T]` -> every layer's keys and values
         of them (`[B, T, KV, H]` each), through that layer's own projections."""
-        cos, sin = rope_tables(self.cfg.layers, positions)
+        cos, sin = rope_tables(self.cfg.layers, positions)  # [B, T, H] each
         kvs = [layer.attn.project(ctx, cos, sin, queries=False)[1:] for layer in self.layers]  # (k, v) [B, T, KV, H]
         return KVUpdate(tuple(k for k, _ in kvs), tuple(v for _, v in kvs))
 
@@ -144,7 +144,7 @@ class DFlash(nnx.Module):
         """Block embeddings `[B, T, D]` at `positions [B, T]`, attending to each row's first
         `cache.lengths` context entries and to the whole block (read-only) -> normed hidden `[B, T, D]`."""
         b, t, _ = emb.shape
-        cos, sin = rope_tables(self.cfg.layers, positions)
+        cos, sin = rope_tables(self.cfg.layers, positions)  # [B, T, H] each
         full = jnp.ones((b, t, t), bool)  # [B, T, T] non-causal within the block
         x = emb
         for layer, k_l, v_l in zip(self.layers, cache.k, cache.v, strict=True):
@@ -158,6 +158,7 @@ class DFlash(nnx.Module):
         return cap * jnp.tanh(y / cap) if cap > 0 else y
 
     def new_cache(self, batch: int, size: int) -> KVCache:
+        """An empty context cache: L x `[B*KV, S, H]` keys and values, lengths 0."""
         lc = self.cfg.layers
         return KVCache.create(lc.num_layers, batch, size, lc.num_kv_heads, lc.head_dim, self.fc[...].dtype)
 
@@ -176,6 +177,7 @@ class DFlashWeights:
 
 def init_weights(cfg: DFlashConfig, d2t: np.ndarray | None = None, seed: int = 0, dtype=jnp.float32,
                  net_class=None) -> DFlashWeights:
+    """Random weights of a `net_class` network (default DFlash) with the draft map `d2t [N]` or None."""
     cfg.check("DFlash config")
     graphdef, params = nnx.split((net_class or DFlash)(cfg, rngs=nnx.Rngs(seed), dtype=dtype))
     return DFlashWeights(cfg, graphdef, params, None if d2t is None else jnp.asarray(d2t, jnp.int32), "random")
@@ -305,7 +307,7 @@ class DFlashDrafter(Drafter):
         score = (above[:, :, None] + top[:, :, 1:]).reshape(b, depth * (k - 1))  # [B, D (k-1)]
         pick = jnp.sort(jax.lax.top_k(score, n_alt)[1], axis=1)  # [B, n_alt] depth-major: level order
         d_alt = pick // (k - 1)  # [B, n_alt]
-        alt = jnp.take_along_axis(tok.reshape(b, depth * k), d_alt * k + pick % (k - 1) + 1, axis=1)
+        alt = jnp.take_along_axis(tok.reshape(b, depth * k), d_alt * k + pick % (k - 1) + 1, axis=1)  # [B, n_alt]
         tokens = jnp.concatenate([tok[:, :, 0], alt], axis=1).astype(jnp.int32)  # [B, num_draft]
         spine_par = jnp.broadcast_to(jnp.arange(depth, dtype=jnp.int32)[None] - 1, (b, depth))  # [B, D]
         parents = jnp.concatenate([spine_par, (d_alt - 1).astype(jnp.int32)], axis=1)  # [B, num_draft]

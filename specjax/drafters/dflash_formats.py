@@ -30,6 +30,7 @@ UNSUPPORTED_ARCHS = {"DFlash2DraftModel": "DFlash2 (dynamic convolutions and a c
 
 
 def is_zlab(raw: dict) -> bool:
+    """Whether a config.json dict is z-lab's (`DFlashDraftModel`) rather than specjax's."""
     return ARCH in (raw.get("architectures") or []) or "dflash_config" in raw
 
 
@@ -111,6 +112,7 @@ def _zlab_tensors(cfg: DFlashConfig, pure: dict) -> dict:
 
 
 def zlab_config(cfg: DFlashConfig) -> dict:
+    """The z-lab config.json dict describing `cfg` (the inverse of `config_from_zlab`)."""
     lc = cfg.layers
     hf = lc.to_hf()
     for key in ("bos_token_id", "eos_token_id"):

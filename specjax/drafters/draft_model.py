@@ -126,8 +126,8 @@ def load_with_target_tables(path: str, target: Model, dtype: str | None = None) 
 
 class DraftModelDrafter(Drafter):
     """Drafts with a small model's greedy or sampled tokens. `draft_vocab` (`d2t [N]`, optional):
-    the target ids it may propose; its head is then restricted to those rows, which for a
-    3-layer draft of SmolLM2 cuts a draft token's cost from ~29% of a target step to ~11%."""
+    the target ids it may propose; its head is then restricted to those rows, which cuts the cost
+    of a draft token (docs/drafters.md, "Draft vocabulary")."""
 
     name = "draft"
     # A plain step's one-position commit feeds the draft model the token drafting would have fed,
@@ -167,7 +167,7 @@ class DraftModelDrafter(Drafter):
         deferred plain steps) in one pass; entries written past them are scratch."""
         m = nnx.merge(self.model.graphdef, dparams["model"])
         start = cache.lengths  # [B]
-        idx = jnp.minimum(start[:, None] + jnp.arange(ctx.tokens.shape[1])[None], ctx.history.shape[1] - 1)
+        idx = jnp.minimum(start[:, None] + jnp.arange(ctx.tokens.shape[1])[None], ctx.history.shape[1] - 1)  # [B, K+1]
         _, cache, _ = m.hidden(jnp.take_along_axis(ctx.history, idx, axis=1), cache)  # [B, K+1] tokens
         return cache.with_lengths(ctx.hist_len - 2)
 
@@ -193,7 +193,7 @@ class DraftModelDrafter(Drafter):
         for i in range(self.num_draft):  # K is small and static: unrolled
             if i > 0:
                 h1, cache, _ = m.hidden(drafts[-1][:, None], cache)  # [B, 1, D]
-                h = h1[:, 0]
+                h = h1[:, 0]  # [B, D]
                 cache = cache.advance(1)
             logits = head(h)  # [B, N or V]
             tok, q = draft_token(ctx.seeds, i, logits, dparams["d2t"], self.model.config.vocab_size, ctx.sampling,

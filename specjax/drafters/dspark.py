@@ -117,6 +117,7 @@ class DSpark(DFlash):
 
 
 def init_weights(cfg: DSparkConfig, d2t: np.ndarray | None = None, seed: int = 0, dtype=jnp.float32) -> DFlashWeights:
+    """Random DSpark weights (`dflash.init_weights` of a `DSpark` network), `d2t [N]` or None."""
     return dflash.init_weights(cfg, d2t, seed, dtype, net_class=DSpark)
 
 
@@ -133,6 +134,7 @@ def load(path: str, dtype=jnp.float32) -> DFlashWeights:
 
 
 def build_weights(cfg: DSparkConfig, arrays: dict, d2t, source: str, dtype) -> DFlashWeights:
+    """`dflash.build_weights` of a `DSpark` network: params by NNX path, checked."""
     return dflash.build_weights(cfg, arrays, d2t, source, dtype, net_class=DSpark)
 
 
@@ -242,7 +244,8 @@ class DSparkDrafter(DFlashDrafter):
         first L (from 0) at which verifying one more draft does not raise the expected emitted
         tokens per unit of cost (module doc: the early stop that keeps it lossless)."""
         b, k = conf.shape
-        expect = 1.0 + jnp.concatenate([jnp.zeros((b, 1)), jnp.cumsum(jnp.cumprod(conf, axis=1), axis=1)], axis=1)
+        expect = 1.0 + jnp.concatenate([jnp.zeros((b, 1)), jnp.cumsum(jnp.cumprod(conf, axis=1), axis=1)],
+                                       axis=1)  # [B, K+1] E(L) for L = 0..K
         rate = expect / costs[None, : k + 1]  # [B, K + 1]
         stop = rate[:, 1:] <= rate[:, :-1]  # [B, K]: L + 1 is no better than L
         return jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1), k).astype(jnp.int32)

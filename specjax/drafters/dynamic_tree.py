@@ -30,16 +30,23 @@ def tree_candidates(topk: int, depth: int) -> int:
 
 
 def dynamic_tree(expand, logits, d2t, root, lengths, topk: int, depth: int, num_nodes: int):
-    """expand(tokens `[B, E]` target ids, feats `[B, E, D]` (each node's parent's output),
-    positions `[B, E]`, mask `[B, E, E]`) -> outputs `[B, E, D]`, the drafter's pass over E
-    expanded nodes, reading its cache without writing it; logits(`[..., D]`) -> `[..., N]`
-    draft-vocab logits; d2t `[N]` draft -> target ids (None: N = V, the ids themselves);
-    root `[B, D]` the drafter's output at the last accepted position; lengths `[B]` the
-    position of a first draft.
+    """An EAGLE-2 dynamic tree (module doc).
 
-    Returns tokens `[B, num_nodes]` (target ids), parents `[B, num_nodes]` (-1: child of the
-    prefix), depths `[B, num_nodes]` (0-based) and cumulative log-probabilities, ordered so that
-    parents come before their children.
+    Args:
+      expand: (tokens `[B, E]` target ids, feats `[B, E, D]` (each node's parent's output),
+        positions `[B, E]`, mask `[B, E, E]`) -> outputs `[B, E, D]`: the drafter's pass over E
+        expanded nodes, reading its cache without writing it.
+      logits: `[..., D]` -> `[..., N]` draft-vocab logits.
+      d2t: `[N]` draft -> target ids (None: N = V, the ids themselves).
+      root: `[B, D]` the drafter's output at the last accepted position.
+      lengths: `[B]` the position of a first draft.
+      topk, depth: k children per expanded node, D levels.
+      num_nodes: nodes kept (at most C = `tree_candidates(topk, depth)`).
+
+    Returns:
+      tokens `[B, n]` int32 target ids, parents `[B, n]` (-1: child of the prefix), depths
+      `[B, n]` (0-based) and cumulative log-probabilities `[B, n]`, n = min(num_nodes, C),
+      ordered so that parents come before their children.
     """
     to_target = (lambda t: t) if d2t is None else (lambda t: jnp.take(d2t, t))
     b = root.shape[0]
@@ -65,9 +72,9 @@ def dynamic_tree(expand, logits, d2t, root, lengths, topk: int, depth: int, num_
         new_in = jnp.take_along_axis(outs, (par_e + 1)[..., None], axis=1)  # [B, k, D]
         base = e_cand.shape[1]
         e_cand = jnp.concatenate([e_cand, front], axis=1)  # [B, E]
-        e_par = jnp.concatenate([e_par, par_e], axis=1)
+        e_par = jnp.concatenate([e_par, par_e], axis=1)  # [B, E]
         e_in = jnp.concatenate([e_in, new_in], axis=1)  # [B, E, D]
-        c_exp = jnp.concatenate([c_exp, jnp.full((b, k * k), -1, jnp.int32)], axis=1)
+        c_exp = jnp.concatenate([c_exp, jnp.full((b, k * k), -1, jnp.int32)], axis=1)  # [B, C]
         c_exp = jax.vmap(lambda ce, f: ce.at[f].set(base + jnp.arange(k, dtype=jnp.int32)))(c_exp, front)
         n_e = e_cand.shape[1]
         e_tok = jnp.take_along_axis(c_tok, e_cand, axis=1)  # [B, E] draft ids
@@ -78,25 +85,33 @@ def dynamic_tree(expand, logits, d2t, root, lengths, topk: int, depth: int, num_
         s, t = jax.lax.top_k(lp, k)  # [B, k, k]
         front_score = jnp.take_along_axis(c_score, front, axis=1)  # [B, k]
         level_start = c_tok.shape[1]
-        c_tok = jnp.concatenate([c_tok, t.reshape(b, k * k)], axis=1)
-        c_score = jnp.concatenate([c_score, (front_score[..., None] + s).reshape(b, k * k)], axis=1)
-        c_par = jnp.concatenate([c_par, jnp.repeat(front, k, axis=1)], axis=1)
-        c_depth = jnp.concatenate([c_depth, jnp.full((b, k * k), d - 1, jnp.int32)], axis=1)
+        c_tok = jnp.concatenate([c_tok, t.reshape(b, k * k)], axis=1)  # [B, C]
+        c_score = jnp.concatenate([c_score, (front_score[..., None] + s).reshape(b, k * k)], axis=1)  # [B, C]
+        c_par = jnp.concatenate([c_par, jnp.repeat(front, k, axis=1)], axis=1)  # [B, C]
+        c_depth = jnp.concatenate([c_depth, jnp.full((b, k * k), d - 1, jnp.int32)], axis=1)  # [B, C]
     tokens, parents, depths, scores = best_nodes(c_tok, c_score, c_par, c_depth, num_nodes)
     return to_target(tokens).astype(jnp.int32), parents, depths, scores
 
 
 def best_nodes(c_tok, c_score, c_par, c_depth, num_nodes: int):
-    """The tree of the `num_nodes` best candidates (all `[B, C]`: token, cumulative score,
-    parent candidate index or -1, depth; parents listed before children) by score, in candidate
-    order; ties go to the earlier candidate, so a kept node's ancestors are kept. Returns tokens,
-    parents (node indices, -1: child of the prefix), depths and scores, `[B, num_nodes]` each."""
+    """The tree of the `num_nodes` best candidates by score, in candidate order; ties go to the
+    earlier candidate, so a kept node's ancestors are kept.
+
+    Args:
+      c_tok, c_score, c_par, c_depth: `[B, C]` each: token, cumulative score, parent candidate
+        index or -1, depth; parents listed before children.
+      num_nodes: nodes kept.
+
+    Returns:
+      tokens, parents (node indices, -1: child of the prefix), depths and scores, `[B, n]` each,
+      n = min(num_nodes, C).
+    """
     c = c_tok.shape[1]
     n = min(num_nodes, c)
     _, keep = jax.lax.top_k(c_score - 1e-6 * jnp.arange(c), n)  # [B, n]
     keep = jnp.sort(keep, axis=1)  # candidate order: parents first
     where = jax.vmap(lambda kp: jnp.full((c,), -1, jnp.int32).at[kp].set(jnp.arange(n)))(keep)  # [B, C]
-    par = jnp.take_along_axis(c_par, keep, axis=1)
-    parents = jnp.where(par >= 0, jnp.take_along_axis(where, jnp.maximum(par, 0), axis=1), -1)
+    par = jnp.take_along_axis(c_par, keep, axis=1)  # [B, n] parent candidate indices
+    parents = jnp.where(par >= 0, jnp.take_along_axis(where, jnp.maximum(par, 0), axis=1), -1)  # [B, n] node indices
     gather = lambda x: jnp.take_along_axis(x, keep, axis=1)
     return gather(c_tok), parents.astype(jnp.int32), gather(c_depth), gather(c_score)

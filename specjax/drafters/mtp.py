@@ -82,10 +82,13 @@ class MTPConfig:
 
     @property
     def draft_limit(self) -> int:
+        """The most drafts a step may ask for: `max_drafts`, else one per module."""
         return self.max_drafts or self.num_modules
 
     @classmethod
     def for_target(cls, target: LlamaConfig, num_modules: int = 3, intermediate_size: int | None = None):
+        """specjax's own MTP for `target`: `num_modules` modules with its layer shape and an FFN of
+        `intermediate_size` (default the target's)."""
         if num_modules < 1:
             raise ValueError(f"num_modules must be >= 1, got {num_modules}")
         return cls(
@@ -112,6 +115,7 @@ class MTPConfig:
         return cls(**kw)
 
     def check_target(self, target: LlamaConfig, source: str = "MTP drafter") -> None:
+        """One clear DrafterError when the drafter was trained for another target."""
         pairs = [("hidden size", self.hidden_size, target.hidden_size),
                  ("vocab size", self.target_vocab_size, target.vocab_size)]
         if self.target_num_layers:  # 0: read out of the target's own checkpoint
@@ -178,6 +182,7 @@ class MTP(nnx.Module):
         return linear(head, self.module_for(k).head_input(h), jnp.float32)
 
     def module_for(self, k: int) -> MTPModule:
+        """The module that drafts depth k (1-based): module (k - 1) mod N."""
         return self.heads[(k - 1) % self.cfg.num_modules]
 
     @property
@@ -185,6 +190,7 @@ class MTP(nnx.Module):
         return self.heads[0].proj[...].dtype
 
     def new_cache(self, num_modules: int, batch: int, size: int) -> KVCache:
+        """An empty cache, one layer per module: `[B*KV, S, H]` keys and values, lengths 0."""
         c = self.cfg
         return KVCache.create(num_modules, batch, size, c.num_kv_heads, c.head_dim, self.dtype)
 
@@ -201,6 +207,7 @@ class MTPWeights:
 
 
 def init_weights(cfg: MTPConfig, seed: int = 0, dtype=jnp.float32) -> MTPWeights:
+    """Random weights: the start of training."""
     graphdef, params = nnx.split(MTP(cfg, rngs=nnx.Rngs(seed), dtype=dtype))
     return MTPWeights(cfg, graphdef, params, "random")
 
@@ -222,7 +229,7 @@ def load(path: str, dtype=jnp.float32) -> MTPWeights:
 
 def gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
     """x `[B, S, ...]`, idx `[B, T]` (clamped to 0..S-1) -> `[B, T, ...]`."""
-    idx = jnp.clip(idx, 0, x.shape[1] - 1)
+    idx = jnp.clip(idx, 0, x.shape[1] - 1)  # [B, T]
     return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
@@ -311,7 +318,7 @@ class MTPDrafter(Drafter):
         all_logits = []
         for k in range(1, k_max + 1):  # K is small and static: unrolled
             p = pos + k  # [B, W] token positions module k reads: committed, or drafts < k
-            tok = jnp.where(p <= m[:, None], gather_rows(history, p), gather_rows(drafts, p - m[:, None] - 1))
+            tok = jnp.where(p <= m[:, None], gather_rows(history, p), gather_rows(drafts, p - m[:, None] - 1))  # [B, W]
             h, cache = net.run(k, jnp.take(dparams["embed"], tok, axis=0), h, cache, cos, sin)  # [B, W, D]
             logits = net.logits(k, jnp.take_along_axis(h, read, axis=1)[:, 0], dparams["head"])  # [B, V or N]
             drafts = drafts.at[:, k - 1].set(choose(k, logits).astype(jnp.int32))
@@ -358,16 +365,16 @@ class MTPDrafter(Drafter):
         h1 = net.run_read_only(1, jnp.take(dparams["embed"], tok, axis=0), st.fin[:, :w], st.cache, cos, sin,
                                None)  # [B, W, D]
         c_score, c_tok = jax.lax.top_k(log_probs(1, h1), k)  # [B, k] level 1
-        c_par = jnp.full((b, k), -1, jnp.int32)
-        c_depth = jnp.zeros((b, k), jnp.int32)
-        c_src = jnp.zeros((b, k), jnp.int32)  # the window run each candidate was read from
+        c_par = jnp.full((b, k), -1, jnp.int32)  # [B, C] parent candidate index
+        c_depth = jnp.zeros((b, k), jnp.int32)  # [B, C]
+        c_src = jnp.zeros((b, k), jnp.int32)  # [B, C] the window run each candidate was read from
         c_path = jnp.zeros((b, k, depth), jnp.int32).at[:, :, 0].set(to_target(c_tok))  # [B, C, D] target ids
         windows = h1[:, None]  # [B, 1 + runs, W, D]
         t_pos = jnp.tile(pos, (1, k))  # [B, k W]: k windows side by side
         cos, sin = net.rope(t_pos)
-        blocks = jnp.arange(k * w) // w
+        blocks = jnp.arange(k * w) // w  # [k W] window of each position
         causal = (blocks[:, None] == blocks[None, :]) & (jnp.arange(k * w)[:, None] >= jnp.arange(k * w)[None, :])
-        mask = jnp.broadcast_to(causal, (b, k * w, k * w))
+        mask = jnp.broadcast_to(causal, (b, k * w, k * w))  # [B, k W, k W]
         level_start = 0
         for d in range(2, depth + 1):
             level = jnp.arange(level_start, c_tok.shape[1])
@@ -386,9 +393,9 @@ class MTPDrafter(Drafter):
             front_score = jnp.take_along_axis(c_score, front, axis=1)  # [B, k]
             level_start = c_tok.shape[1]
             runs = windows.shape[1] + jnp.arange(k, dtype=jnp.int32)  # [k] these windows' indices
-            windows = jnp.concatenate([windows, h], axis=1)
-            paths = jnp.repeat(f_path, k, axis=1).at[:, :, d - 1].set(to_target(t.reshape(b, k * k)))
-            c_tok = jnp.concatenate([c_tok, t.reshape(b, k * k)], axis=1)
+            windows = jnp.concatenate([windows, h], axis=1)  # [B, 1 + runs, W, D]
+            paths = jnp.repeat(f_path, k, axis=1).at[:, :, d - 1].set(to_target(t.reshape(b, k * k)))  # [B, k k, D]
+            c_tok = jnp.concatenate([c_tok, t.reshape(b, k * k)], axis=1)  # [B, C]
             c_score = jnp.concatenate([c_score, (front_score[..., None] + s).reshape(b, k * k)], axis=1)
             c_par = jnp.concatenate([c_par, jnp.repeat(front, k, axis=1)], axis=1)
             c_depth = jnp.concatenate([c_depth, jnp.full((b, k * k), d - 1, jnp.int32)], axis=1)

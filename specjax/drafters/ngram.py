@@ -7,23 +7,15 @@ assumed to keep repeating with the same period), which is what repetitive output
 without any match propose a repeat of their last token.
 
 A row is `active` (its drafts worth a verify pass) only when its match is at least `active_n`
-tokens long: single-token matches are found almost everywhere and are usually wrong. Measured
-offline on the default model's greedy HumanEval replies (20 prompts, K = 5): drafting on every
-match gives MAL 1.65 with 63% of steps verified, drafting on matches of >= 2 tokens MAL 1.55 with
-27% verified, so at a verify cost of ~1.5 plain steps the latter is faster (1.31x vs 1.16x
-estimated). Inactive rows in a batch that verifies anyway still check their best guess.
+tokens long: single-token matches are found almost everywhere and are usually wrong. An inactive
+row checks no drafts, even in a batch that verifies for others (the engine masks them).
 
 How far to trust a match also grows with its length, so for K > 3 the engine verifies either the
 first 3 drafts (`verify_lengths` = (3, K)) or all K: a row wants all K only when its match is
-at least `long_n` tokens. Offline, on the default model's greedy replies to 20 HumanEval prompts
-(2.2k tokens; same for MT-bench), mean accepted drafts by match length n (of 15 proposed):
-n = 1: 0.45, 2: 2.3, 3: 4.2, 4: 5.1, 5-7: 8.0-8.4, >= 8: 9.2 (MT-bench: 0.4, 1.6, 2.8, 4.4,
-4.1-4.9, 8.6). Replayed with forward costs measured at batch 1 on the 2-core CPU (T = 4: 1.30,
-8: 1.61, 16: 2.17 plain steps), estimated speedup on HumanEval / MT-bench: K = 3 1.36x / 1.17x,
-K = 7 1.38x / 1.17x, K = 15 with lengths (3, 15) and long_n = 5 1.45x / 1.19x. Matches are
-therefore searched up to `max_n` = 8 tokens (the longest wins, then the most recent). Measured
-in the engine, K = 15 against K = 3: code completion 2.13x vs 1.73x, chat unchanged within
-noise (docs/performance.md).
+at least `long_n` tokens. Matches are searched up to `max_n` = 8 tokens (the longest wins, then
+the most recent). The replays and engine runs that chose `active_n` = 2, `long_n` = 5 and
+`max_n` = 8: docs/performance.md, "Verify only when a draft is worth it" and "Verify as many
+drafts as the match supports".
 
 Trees (`with_tree(k, D)`, suffix/lookup decoding's several continuations): the k best match
 ends (longest match first, then the most recent; one entry per end) each propose the D tokens
@@ -69,12 +61,20 @@ class NgramDrafter(Drafter):
         return topk * depth
 
     def match_lengths(self, hist, length):
-        """hist [B, S], length [B] -> [B, S] int32: the longest n in [min_n, max_n] such that the
-        n tokens ending just before index e equal the history's last n, with e <= length - 1 (the
-        match has a continuation); 0 where none."""
+        """Match lengths at every candidate end.
+
+        Args:
+          hist: [B, S] int32 history (prompt + emitted tokens).
+          length: [B] int32 tokens of each row's history.
+
+        Returns:
+          [B, S] int32: at index e, the longest n in [min_n, max_n] such that the n tokens ending
+          just before e equal the history's last n, with e <= length - 1 (the match has a
+          continuation); 0 where none.
+        """
         b, s = hist.shape
-        e = jnp.arange(s)[None]  # candidate match ends
-        best = jnp.zeros((b, s), jnp.int32)
+        e = jnp.arange(s)[None]  # [1, S] candidate match ends
+        best = jnp.zeros((b, s), jnp.int32)  # [B, S]
         for n in range(self.min_n, self.max_n + 1):  # longer n overwrite shorter ones
             suffix = jnp.take_along_axis(hist, jnp.clip(length[:, None] - n + jnp.arange(n), 0, s - 1), axis=1)
             ok = (e >= n) & (e <= length[:, None] - 1) & (length[:, None] > n)  # [B, S]
@@ -84,7 +84,15 @@ class NgramDrafter(Drafter):
         return best
 
     def continuation(self, hist, length, end, width: int):
-        """The `width` tokens after match end `end [B]`, extended periodically into the present."""
+        """The `width` tokens after each row's match end, extended periodically into the present.
+
+        Args:
+          hist: [B, S] int32 history; length: [B] int32 its lengths; end: [B] int32 match ends.
+          width: W, tokens wanted.
+
+        Returns:
+          [B, W] int32 tokens.
+        """
         period = jnp.maximum(length - end, 1)  # [B]
         idx = end[:, None] + jnp.arange(width)[None] % period[:, None]  # [B, W]
         return jnp.take_along_axis(hist, jnp.clip(idx, 0, hist.shape[1] - 1), axis=1)
@@ -99,8 +107,8 @@ class NgramDrafter(Drafter):
             return self._tree(hist, length, score), state
         best_end = jnp.argmax(score, axis=1).astype(jnp.int32)  # [B]
         best_n = jnp.take_along_axis(n_at, best_end[:, None], axis=1)[:, 0]  # [B] (0: no match)
-        last = jnp.take_along_axis(hist, (length - 1)[:, None], axis=1)
-        draft = jnp.where((best_n > 0)[:, None], self.continuation(hist, length, best_end, k), last)
+        last = jnp.take_along_axis(hist, (length - 1)[:, None], axis=1)  # [B, 1]
+        draft = jnp.where((best_n > 0)[:, None], self.continuation(hist, length, best_end, k), last)  # [B, K]
         want = jnp.where(best_n >= self.long_n, k, min(k, self.SHORT)).astype(jnp.int32)  # [B]
         return Proposal(draft.astype(jnp.int32), active=best_n >= self.active_n, length=want), state
 
@@ -122,8 +130,8 @@ class NgramDrafter(Drafter):
         node = lambda j, dd: j * d + dd  # noqa: E731
         parents = jnp.where(jnp.arange(d)[None, None] == 0, -1,
                             node(jnp.pad(first, ((0, 0), (0, 0), (1, 0)))[:, :, :-1], jnp.arange(d)[None, None] - 1))
-        dead = dup | ~alive[:, :, None]
+        dead = dup | ~alive[:, :, None]  # [B, k, D]
         parents = jnp.where(dead, -2, parents).reshape(-1, k * d)[:, : self.num_draft]  # [B, N]
-        tokens = cont.reshape(-1, k * d)[:, : self.num_draft]
+        tokens = cont.reshape(-1, k * d)[:, : self.num_draft]  # [B, N]
         return Proposal(tokens.astype(jnp.int32), active=alive[:, 0] & (n[:, 0] >= self.active_n),
                         parents=parents.astype(jnp.int32))
