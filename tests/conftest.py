@@ -1,8 +1,9 @@
 """Shared fixtures.
 
 Expensive things are built once per session: the default model (GGUF conversion on a cold
-cache), the HF transformers reference loaded from the same GGUF, and a tiny HF checkpoint
-directory with the default model's tokenizer.
+cache), the HF transformers reference loaded from the same GGUF, tiny HF checkpoint directories
+with the default model's tokenizer (`real_tokenizer_checkpoint`) and the sharp target with its
+greedy data and feature store (the drafter tests).
 
 The converted-GGUF cache (`SPECJAX_CACHE`) is a session temp directory, so the suite never
 reads or writes the user's `~/.cache/specjax` and exercises the conversion path from a cold
@@ -16,7 +17,7 @@ import os
 
 import pytest
 
-from helpers import SHARP_LAYERS, tiny_checkpoint_with_tokenizer
+from helpers import OTHER_TARGETS, SHARP_LAYERS, tiny, tiny_checkpoint_with_tokenizer
 from helpers import sharp_target as make_sharp_target
 
 # No network here: any hub lookup fails fast instead of retrying. Set at import, before a test
@@ -73,20 +74,43 @@ def hf_gguf_model(default_gguf_path):
 
 
 @pytest.fixture(scope="session")
-def tiny_tok_dir(tmp_path_factory, default_model):
-    """A tiny random HF checkpoint (vocab 49152, context 64) with the default model's tokenizer,
-    so the CLI can run string prompts on it in a second instead of loading the real model."""
-    return tiny_checkpoint_with_tokenizer(
-        str(tmp_path_factory.mktemp("tiny_tok")), default_model.tokenizer,
-        vocab_size=default_model.config.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
-        tie_word_embeddings=True)
+def real_tokenizer_checkpoint(tmp_path_factory, default_model):
+    """Factory `(name, **config) -> directory`: a tiny random HF Llama checkpoint with the default
+    model's tokenizer and chat template (`helpers.tiny_checkpoint_with_tokenizer`), so string
+    prompts and the CLI run on it in a second instead of loading the real model. Defaults: the
+    tokenizer's vocab (49152), 1 layer, hidden 32, 2 heads / 1 KV head of 16, FFN 64, tied
+    embeddings; `config` (HF LlamaConfig fields) overrides them."""
+
+    def make(name: str, **config) -> str:
+        base = dict(vocab_size=default_model.config.vocab_size, hidden_size=32, intermediate_size=64,
+                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                    tie_word_embeddings=True)
+        return tiny_checkpoint_with_tokenizer(str(tmp_path_factory.mktemp(name)), default_model.tokenizer,
+                                              **{**base, **config})
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_tok_dir(real_tokenizer_checkpoint):
+    """`real_tokenizer_checkpoint` with a 64-token context: the CLI and error tests' model."""
+    return real_tokenizer_checkpoint("tiny_tok", max_position_embeddings=64)
 
 
 @pytest.fixture(scope="session")
 def sharp_target():
     """`helpers.sharp_target()`, shared by the drafter-training tests."""
     return make_sharp_target()
+
+
+@pytest.fixture(params=sorted(OTHER_TARGETS))
+def other_target(request):
+    """(a random target unlike the sharp target's shape, the one-line error a drafter trained for
+    the sharp target's shape must give on it), one per `helpers.OTHER_TARGETS` entry."""
+    from specjax.models.loading import random_model
+
+    change, message = OTHER_TARGETS[request.param]
+    return random_model(tiny(**{"num_layers": 4, **change}), seed=0), message
 
 
 @pytest.fixture(scope="session")
@@ -112,14 +136,12 @@ def sharp_store(sharp_target, sharp_seqs, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def batch_model_dir(tmp_path_factory, default_model):
+def batch_model_dir(real_tokenizer_checkpoint):
     """A tiny random checkpoint (1 layer, weights with std 0.3 so greedy texts differ from row to
     row) with the default model's tokenizer and chat template: the batch-job tests' model."""
-    return tiny_checkpoint_with_tokenizer(
-        str(tmp_path_factory.mktemp("batch_model")), default_model.tokenizer,
-        vocab_size=default_model.config.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        initializer_range=0.3)
+    return real_tokenizer_checkpoint(
+        "batch_model", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

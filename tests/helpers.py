@@ -4,10 +4,31 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 
 import numpy as np
+
+
+def tiny(**overrides):
+    """The tests' tiny specjax `LlamaConfig`: vocab 256, 2 layers, hidden 64, 4 heads / 2 KV heads
+    of 16, FFN 128, context 512, untied head (a few-hundred-kilobyte random model); `overrides`
+    replace fields."""
+    from specjax.models.config import LlamaConfig
+
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    base.update(overrides)
+    return LlamaConfig(**base)
 
 
 def hf_llama_config(**kw):
@@ -73,11 +94,6 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def copy_dir(src: str, dst: str) -> str:
-    shutil.copytree(src, dst)
-    return dst
-
-
 def specjax_cli_cmd() -> list[str]:
     """The installed `specjax` console script of this interpreter's environment."""
     script = os.path.join(os.path.dirname(sys.executable), "specjax")
@@ -90,19 +106,32 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARP_LAYERS = (0, 1, 3)  # target layers the shared tiny feature store keeps (EAGLE-3 tests)
 
 
-def sharp_target():
-    """A tiny random target with a peaked next-token distribution (a scaled LM head), so that a
-    drafter trained on it has something to learn."""
+def sharpen(model, scale=4.0):
+    """`model` with its LM head scaled by `scale`, in place, so the law has a few likely paths
+    (random tiny models are near uniform); returns the model."""
     from flax import nnx
 
-    from specjax.models.config import tiny
-    from specjax.models.loading import random_model
-
-    model = random_model(tiny(num_layers=4), seed=1)
     pure = nnx.to_pure_dict(model.params)
-    pure["lm_head"] = pure["lm_head"] * 25.0
+    pure["lm_head"] = pure["lm_head"] * scale
     nnx.replace_by_pure_dict(model.params, pure)
     return model
+
+
+def sharp_target():
+    """A tiny random target (`tiny(num_layers=4)`) with a peaked next-token distribution (its LM
+    head scaled by 25), so that a drafter trained on it has something to learn."""
+    from specjax.models.loading import random_model
+
+    return sharpen(random_model(tiny(num_layers=4), seed=1), 25.0)
+
+
+# Targets unlike the sharp target's shape (`tiny(num_layers=4)` with the change) and the one-line
+# error a drafter trained for it must give there (`conftest.other_target`).
+OTHER_TARGETS = {
+    "hidden": (dict(hidden_size=32, num_heads=2, num_kv_heads=1), "hidden size 64, but this target has 32"),
+    "vocab": (dict(vocab_size=512), "vocab size 256, but this target has 512"),
+    "layers": (dict(num_layers=6), "layer count 4, but this target has 6"),
+}
 
 
 def tiny_checkpoint_with_tokenizer(out_dir: str, tokenizer, seed: int = 0, **config) -> str:
@@ -159,19 +188,19 @@ assert len(jax.devices()) == 4
 target = sharp_target()
 store = FeatureStore({store!r})
 o = OptimConfig(steps={steps}, batch_size=8, lr=1e-3, warmup_steps=1, checkpoint_every={steps}, eval_every=0)
-fit(make_task(target, store), store, o, {out!r})
+fit(make_task(target, store, *{task_args!r}), store, o, {out!r})
 print(json.dumps([r["loss"] for r in read_log({out!r})]))
 """
 
 
-def four_device_losses(module: str, store_path: str, out: str, steps: int) -> list[float]:
-    """The per-step losses of `module.make_task(sharp_target(), store)` trained for `steps` steps
-    (batch 8, lr 1e-3) in a fresh process on 4 host devices: the data-parallel run the tests
-    compare with one device."""
+def four_device_losses(module: str, store_path: str, out: str, steps: int, *task_args) -> list[float]:
+    """The per-step losses of `module.make_task(sharp_target(), store, *task_args)` trained for
+    `steps` steps (batch 8, lr 1e-3) in a fresh process on 4 host devices: the data-parallel run
+    the tests compare with one device."""
     import subprocess
 
     script = FOUR_DEVICE_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), module=module,
-                                       store=store_path, out=out, steps=steps)
+                                       store=store_path, out=out, steps=steps, task_args=task_args)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

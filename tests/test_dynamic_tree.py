@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import tiny
 from specjax.drafters.base import vocab_maps
 from specjax.drafters.dynamic_tree import dynamic_tree
 from specjax.drafters.eagle3 import Eagle3Config, init_weights
-from specjax.models.config import tiny
 from specjax.models.loading import random_model
 
 LAYERS = (0, 1, 3)

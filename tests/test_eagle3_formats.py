@@ -370,7 +370,7 @@ def test_default_layers_are_the_references(hf_target_dir, tmp_path):
 
 
 def test_drafter_for_another_vocab_or_depth(hf_target_dir, tmp_path):
-    from specjax.models.config import tiny
+    from helpers import tiny
     from specjax.models.loading import random_model
 
     reference_drafter(hf_target_dir).save_pretrained(str(tmp_path))

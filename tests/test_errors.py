@@ -1,5 +1,5 @@
 """Bad input: a clear exception type from the API, and from the CLI one line on stderr with exit
-code 2 (DESIGN.md §3). Most CLI cases call `specjax.cli.main` in-process; a few run the installed
+code 2 (README, "Use"). Most CLI cases call `specjax.cli.main` in-process; a few run the installed
 `specjax` console script as a real subprocess. Also the CLI's `--json` output format."""
 
 from __future__ import annotations

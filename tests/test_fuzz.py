@@ -2,7 +2,7 @@
 minutes on two cores): random command lines, random batch input lines and random HTTP requests,
 all built from what a careless or hostile user could send.
 
-Invariants (DESIGN.md §3):
+Invariants (the contract in the README, "Use"):
 * user input never gives exit code 1 (CLI) or a 5xx (HTTP), and never a traceback: a refusal is
   one line starting "specjax: error:", exit code 2;
 * every input file is byte-identical afterwards (hashed before and after);

@@ -15,8 +15,7 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import rel_err
-from specjax.models.config import tiny
+from helpers import rel_err, tiny
 from specjax.models.kv_cache import KVCache, write_rows
 from specjax.models.loading import random_model
 

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import tiny
 from specjax.drafters.base import Drafter, Proposal, StepContext
 from specjax.drafters.ngram import NgramDrafter
-from specjax.models.config import tiny
 from specjax.models.loading import random_model
 from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingArrays, SamplingParams

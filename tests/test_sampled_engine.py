@@ -15,9 +15,9 @@ import pytest
 from flax import nnx
 from test_rejection_sampling import g_test_pvalue
 
+from helpers import sharpen, tiny
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
-from specjax.models.config import tiny
 from specjax.models.loading import random_model
 from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingArrays, SamplingParams, target_probs
@@ -74,14 +74,6 @@ def independent_rows(target, sp: SamplingParams, **generate_kw):
     """N_ROWS copies of PROMPT under `sp`, each row its own seed (one random stream each)."""
     seeded = [dataclasses.replace(sp, seed=sp.seed * N_ROWS + i) for i in range(N_ROWS)]
     return Engine(target).generate([PROMPT] * N_ROWS, seeded, **generate_kw)
-
-
-def sharpen(model, scale=4.0):
-    """Scale the head so the law has a few likely paths (random tiny models are near uniform)."""
-    pure = nnx.to_pure_dict(model.params)
-    pure["lm_head"] = pure["lm_head"] * scale
-    nnx.replace_by_pure_dict(model.params, pure)
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 import specjax
-from helpers import specjax_cli_cmd, tiny_checkpoint_with_tokenizer
+from helpers import specjax_cli_cmd
 from specjax.drafters import make_drafter
 from specjax.prompts import encode_prompt
 from specjax.runtime.engine import Engine
@@ -39,13 +39,9 @@ PROMPTS = ["Tell me about the sea.", "Write a haiku about autumn leaves.", "What
 
 
 @pytest.fixture(scope="module")
-def chat_dir(tmp_path_factory, default_model):
+def chat_dir(real_tokenizer_checkpoint):
     """A tiny random HF checkpoint (context 256) with the default model's tokenizer."""
-    return tiny_checkpoint_with_tokenizer(
-        str(tmp_path_factory.mktemp("tiny_chat")), default_model.tokenizer,
-        vocab_size=default_model.config.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
-        tie_word_embeddings=True)
+    return real_tokenizer_checkpoint("tiny_chat", max_position_embeddings=256)
 
 
 def start(model, sched: Scheduler, name: str):

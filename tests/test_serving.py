@@ -10,12 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import REPO
+from helpers import REPO, tiny
 from specjax.drafters.base import Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.errors import SpecjaxError
-from specjax.models.config import tiny
 from specjax.models.loading import random_model
 from specjax.policy.chunks import Policy
 from specjax.policy.costs import StepCosts

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import specjax
+from helpers import tiny
 from specjax.drafters import make_drafter
 from specjax.drafters.base import Drafter, Proposal
-from specjax.models.config import tiny
 from specjax.models.loading import random_model
 from specjax.policy import costs as policy_costs
 from specjax.policy import rows as policy_rows

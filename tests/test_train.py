@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import REPO, SHARP_LAYERS, four_device_losses, specjax_cli_cmd, tiny_checkpoint_with_tokenizer
+from helpers import REPO, SHARP_LAYERS, four_device_losses, specjax_cli_cmd
 from train.config import RecipeError, load_recipe
 from train.data import extract_features
 from train.eagle3 import Eagle3Task
@@ -97,13 +97,9 @@ def test_cli_bad_recipe_is_one_line_exit_2(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_target_dir(tmp_path_factory, default_model):
+def tiny_target_dir(real_tokenizer_checkpoint):
     """A tiny random HF checkpoint with the real tokenizer and room for ShareGPT prompts."""
-    return tiny_checkpoint_with_tokenizer(
-        str(tmp_path_factory.mktemp("tiny_target")), default_model.tokenizer,
-        vocab_size=default_model.config.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
-        tie_word_embeddings=True)
+    return real_tokenizer_checkpoint("tiny_target", num_hidden_layers=4, max_position_embeddings=512)
 
 
 def test_killed_training_resumes_on_the_same_curve(tiny_target_dir, tmp_path):

@@ -5,7 +5,7 @@ them) leaving the cache a fresh prefill of the accepted text."""
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models.config import tiny
+from helpers import tiny
 from specjax.models.loading import random_model
 from specjax.models.tree import ancestor_mask, chain_parents, depths
 

@@ -10,15 +10,15 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_sampled_engine import N_ROWS, PROMPT, SETTINGS, exact_law, law_pvalues, sharpen
+from test_sampled_engine import N_ROWS, PROMPT, SETTINGS, exact_law, law_pvalues
 
+from helpers import sharpen, tiny
 from specjax.bench.speculative import parse_tree
 from specjax.drafters import make_drafter
 from specjax.drafters.base import vocab_maps
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_weights
 from specjax.errors import DrafterError
-from specjax.models.config import tiny
 from specjax.models.loading import random_model
 from specjax.models.tree import first_children
 from specjax.policy.costs import cost_table

