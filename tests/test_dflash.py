@@ -79,7 +79,7 @@ def reference_logits(model: DFlashDraftModel, target_dir: str, tokens: np.ndarra
 
 def specjax_state(drafter, dparams, hidden_states: list[np.ndarray], tokens: np.ndarray, last: int):
     """Our drafter's state after a prefill of `tokens` whose features are the reference's."""
-    feats = jnp.stack([jnp.asarray(hidden_states[i + 1]) for i in drafter.hidden_layers])  # [n, 1, T, D]
+    feats = jnp.stack([jnp.asarray(hidden_states[i + 1]) for i in drafter.feature_layers])  # [n, 1, T, D]
     t = len(tokens)
     prompt = jnp.asarray(tokens, jnp.int32)[None]
     history = jnp.concatenate([prompt, jnp.asarray([[last]], jnp.int32)], axis=1)
@@ -94,7 +94,7 @@ def test_zlab_checkpoint_gives_the_references_block_logits(target_dir, target, t
     tokens, last = np.array([3, 9, 27, 81, 50, 6, 18]), 54
     want, hidden_states = reference_logits(ref, target_dir, tokens, last)
     drafter = make_drafter(f"dflash:{tmp_path}", 0, target)
-    assert drafter.num_draft == BLOCK - 1 and drafter.hidden_layers == tuple(LAYER_IDS)
+    assert drafter.num_draft == BLOCK - 1 and drafter.feature_layers == tuple(LAYER_IDS)
     dparams = drafter.params()
     st, history = specjax_state(drafter, dparams, hidden_states, tokens, last)
     got = np.asarray(drafter.block_logits(dparams, st, history, jnp.asarray([len(tokens) + 1])))[0]  # [K, V]
@@ -135,7 +135,7 @@ def test_commit_keeps_the_context_of_the_accepted_text(target_dir, target, tmp_p
 
     def feats(upto):
         cache = net.new_cache(1, 32)
-        _, _, col = net.hidden(seq[:, :upto], cache, drafter.hidden_layers)
+        _, _, col = net.hidden(seq[:, :upto], cache, drafter.feature_layers)
         return col  # [n, 1, T, D]
 
     def init(t):

@@ -76,7 +76,7 @@ def test_speculators_checkpoint_matches_the_references(target_dir, target, tmp_p
     model = speculators_dspark(target_dir, draft_vocab)
     model.save_pretrained(str(tmp_path))
     drafter = make_drafter(f"dspark:{tmp_path}", 0, target)
-    assert drafter.num_draft == BLOCK and drafter.hidden_layers == tuple(LAYER_IDS)
+    assert drafter.num_draft == BLOCK and drafter.feature_layers == tuple(LAYER_IDS)
     tokens, last = np.array([3, 9, 27, 81, 50, 6, 18]), 54
     hf = Qwen3ForCausalLM.from_pretrained(target_dir).eval()
     with torch.no_grad():

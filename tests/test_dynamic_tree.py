@@ -24,7 +24,7 @@ def setup():
     net = w.module()
     x = jnp.asarray(np.random.RandomState(1).randint(0, 256, (2, 10)), jnp.int32)
     m = target.module()
-    _, _, feats = m.hidden(x, m.new_cache(2, 64), collect=LAYERS)
+    _, _, feats = m.hidden(x, m.new_cache(2, 64), feature_layers=LAYERS)
     embed = target.params["embed"][...]
     emb = jnp.take(embed, jnp.concatenate([x[:, 1:], x[:, -1:]], 1), axis=0)
     g, cache = net.step(emb, net.fuse(feats), net.new_cache(2, 64))

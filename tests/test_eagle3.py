@@ -37,7 +37,7 @@ def weights(target):
 
 def features(target, x, layers=LAYERS):
     m = target.module()
-    _, _, feats = m.hidden(x, m.new_cache(x.shape[0], 64), collect=layers)
+    _, _, feats = m.hidden(x, m.new_cache(x.shape[0], 64), feature_layers=layers)
     return feats  # [n, B, T, D]
 
 
@@ -179,7 +179,7 @@ def test_save_load_round_trip(target, weights, tmp_path):
     for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(weights.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     drafter = make_drafter(f"eagle3:{path}", 3, target)
-    assert isinstance(drafter, Eagle3Drafter) and drafter.hidden_layers == LAYERS
+    assert isinstance(drafter, Eagle3Drafter) and drafter.feature_layers == LAYERS
 
 
 def test_drafter_for_another_target_is_one_line(weights, tmp_path, other_target):

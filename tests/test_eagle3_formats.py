@@ -105,7 +105,7 @@ def specjax_logits(weights, target, tokens: np.ndarray) -> np.ndarray:
     net = weights.module()
     x = jnp.asarray(tokens[None], jnp.int32)
     m = target.module()
-    _, _, feats = m.hidden(x, m.new_cache(1, 64), collect=weights.config.target_layers)
+    _, _, feats = m.hidden(x, m.new_cache(1, 64), feature_layers=weights.config.target_layers)
     embed = target.params["embed"][...] if weights.embed is None else weights.embed
     nxt = jnp.concatenate([x[:, 1:], x[:, -1:]], axis=1)
     g, _ = net.step(jnp.take(embed, nxt, axis=0), net.fuse(feats), net.new_cache(1, 64))
@@ -145,7 +145,7 @@ def test_chain_drafts_match_reference_ttt(hf_target_dir, target, tmp_path):
     net = w.module()
     x = jnp.asarray(TOKENS[None], jnp.int32)
     m = target.module()
-    _, _, ours = m.hidden(x, m.new_cache(1, 64), collect=w.config.target_layers)
+    _, _, ours = m.hidden(x, m.new_cache(1, 64), feature_layers=w.config.target_layers)
     emb = jnp.take(target.params["embed"][...], x, axis=0)
     for p in (4, 8):  # accepted prefix x_0..x_p: features for positions < p
         cache = net.new_cache(1, 64)
@@ -213,7 +213,7 @@ def ours_vs_reference(w, model: Eagle3DraftModel, target, tokens) -> tuple[np.nd
     """Our logits and the reference's on the same (our target's) features."""
     x = jnp.asarray(tokens[None], jnp.int32)
     m = target.module()
-    _, _, feats = m.hidden(x, m.new_cache(1, 64), collect=w.config.target_layers)
+    _, _, feats = m.hidden(x, m.new_cache(1, 64), feature_layers=w.config.target_layers)
     f = torch.from_numpy(np.asarray(jnp.concatenate(list(feats), axis=-1)))
     nxt = torch.from_numpy(np.concatenate([tokens[1:], tokens[-1:]])).long()[None]
     with torch.no_grad():

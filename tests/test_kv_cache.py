@@ -236,7 +236,7 @@ def test_engine_prefill_in_chunks_equals_one_pass(model, monkeypatch):
     from specjax.runtime import engine
 
     lens = np.array([64, 5, 40, 47])  # rows ending in the last, first and middle chunks
-    static = dict(cache_size=S, collect=(0, 1), want_final=True)
+    static = dict(cache_size=S, feature_layers=(0, 1), want_final=True)
     with jax.enable_x64(True):
         params = jax.tree.map(lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a,
                               model.params)

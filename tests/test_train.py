@@ -168,7 +168,7 @@ def test_simulated_path_mal_is_the_engines_greedy_mal(default_model, tmp_path):
     prompts = encode_prompts(default_model, conversations(6, seed=0, offset=5000), 96)
     seqs = regen_replies(default_model, prompts, 48, 8)[:4]
     drafter = make_drafter("eagle3@0", k, default_model)
-    store = extract_features(default_model, seqs, drafter.hidden_layers, str(tmp_path / "eval"), 160, 4)
+    store = extract_features(default_model, seqs, drafter.feature_layers, str(tmp_path / "eval"), 160, 4)
     task = Eagle3Task(default_model, store.counts, eval_k=k)
     task.d2t, task.graphdef = drafter.weights.d2t, drafter.weights.graphdef  # the shipped drafter's maps
     sim = task.evaluate(drafter.weights.params, store)

@@ -181,7 +181,7 @@ def extract_features(model: Model, seqs: list[tuple[list[int], int]], layers: tu
     @jax.jit
     def run(params, toks):
         m = nnx.merge(model.graphdef, params)
-        h, _, coll = m.hidden(toks, m.new_cache(toks.shape[0], seq_len), collect=layers, fresh=True)
+        h, _, coll = m.hidden(toks, m.new_cache(toks.shape[0], seq_len), feature_layers=layers, fresh=True)
         return h, coll, jnp.argmax(m.logits(h), axis=-1).astype(jnp.int32)
 
     t0 = time.perf_counter()

@@ -133,7 +133,7 @@ def build_model(shape: str, model_path: str | None, dtype: str | None):
         return random_model(cfgs.llama3_8b(), dtype=jnp.dtype(dt)), "random"
     if shape == "tiny":
         return random_model(
-            cfgs.tiny(vocab_size=256, max_position_embeddings=256), dtype=jnp.dtype(dtype or "float32")
+            cfgs.cpu_smoke(vocab_size=256, max_position_embeddings=256), dtype=jnp.dtype(dtype or "float32")
         ), "random"
     return load_model(model_path, dtype=dtype, quiet=True), "checkpoint"
 

@@ -137,7 +137,7 @@ def lower_loop(platform: str, shape: str = "llama-8b", drafter: str = "eagle3", 
         samp = jax.tree.map(lambda x: sds(x.shape, x.dtype), SamplingArrays.from_params(params))
         policy = None if k == 0 else jax.tree.map(lambda x: sds(x.shape, x.dtype),
                                                   new_policy(b, np.ones(k + 1, np.float32), AUTO))
-        pre_static = dict(cache_size=s, collect=d.hidden_layers, want_final=d.needs_final_hidden)
+        pre_static = dict(cache_size=s, feature_layers=d.feature_layers, want_final=d.needs_final_hidden)
         pre_fn = jax.jit(partial(_prefill, target.graphdef, **pre_static))
         cache, last, hidden, final = jax.eval_shape(pre_fn, target.params, prompt, plen)
         dec_fn = jax.jit(partial(_decode, target.graphdef, drafter=d, all_greedy=temperature == 0.0,

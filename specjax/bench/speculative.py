@@ -183,11 +183,11 @@ def run_config(engine: Engine, batches, sampling: SamplingParams, drafter, on_ba
 def _setup_fn(graphdef, drafter, cache_size: int, greedy: bool):
     """Target prefill, first token, history and drafter init as one compiled function (eager,
     a draft model's prefill would compile op by op: slower than compiling it whole)."""
-    collect, want_final = tuple(drafter.hidden_layers), bool(drafter.needs_final_hidden)
+    feature_layers, want_final = tuple(drafter.feature_layers), bool(drafter.needs_final_hidden)
 
     def setup(params, dparams, prompt, plen, samp):
-        cache, logits, hid, fin = _prefill(graphdef, params, prompt, plen, cache_size=cache_size, collect=collect,
-                                           want_final=want_final)
+        cache, logits, hid, fin = _prefill(graphdef, params, prompt, plen, cache_size=cache_size,
+                                           feature_layers=feature_layers, want_final=want_final)
         b, t = prompt.shape
         first = jnp.argmax(logits, -1).astype(jnp.int32)  # [B]
         history = jnp.zeros((b, cache_size), jnp.int32).at[:, :t].set(prompt)  # [B, S]
@@ -200,10 +200,10 @@ def _setup_fn(graphdef, drafter, cache_size: int, greedy: bool):
 
 
 @functools.cache
-def _verify_fn(graphdef, collect: tuple):
+def _verify_fn(graphdef, feature_layers: tuple):
     def verify(params, tokens, cache):
         m = nnx.merge(graphdef, params)
-        h, _, _ = m.hidden(tokens, cache, collect=collect)
+        h, _, _ = m.hidden(tokens, cache, feature_layers=feature_layers)
         return m.logits(h)  # [B, K+1, V]
 
     return jax.jit(verify)
@@ -247,7 +247,7 @@ def component_times(engine: Engine, drafter, prompt_ids: list[int], sampling: Sa
         draft, q = jnp.zeros((batch, 0), jnp.int32), None
         out["draft"] = 0.0
     tokens_in = jnp.concatenate([first[:, None], draft], axis=1)  # [B, K+1]
-    vf = _verify_fn(model.graphdef, tuple(drafter.hidden_layers))
+    vf = _verify_fn(model.graphdef, tuple(drafter.feature_layers))
     vlogits = vf(model.params, tokens_in, cache)
     out["verify"] = timed(lambda: jax.block_until_ready(vf(model.params, tokens_in, cache)), repeats)
     tree = drafter.tree_topk > 1

@@ -56,8 +56,8 @@ class InitContext:
     history: jax.Array  # [B, S] int32, prompt + first emitted token
     hist_len: jax.Array  # [B] int32 (= prompt_len + 1)
     sampling: SamplingArrays
-    target_hidden: Any  # [n, B, T, D] hidden states of `hidden_layers` over the prompt, or None
-    target_final: Any  # [B, T, D] final normed hidden over the prompt, or None
+    features: Any  # [n, B, T, D] target features: outputs of the `feature_layers` over the prompt, or None
+    final_hidden: Any  # [B, T, D] the target's final normed hidden state over the prompt, or None
     cache_size: int = struct.field(pytree_node=False)
     all_greedy: bool = struct.field(pytree_node=False)
 
@@ -94,15 +94,15 @@ class CommitContext:
     history: jax.Array  # [B, S] int32, after this step
     hist_len: jax.Array  # [B] int32, after this step
     live: jax.Array  # [B] bool, rows that were running this step
-    target_hidden: Any  # [n, B, K + 1, D] verify-pass hidden states of `hidden_layers`, or None
-    target_final: Any  # [B, K + 1, D] verify-pass final normed hidden, or None
+    features: Any  # [n, B, K + 1, D] verify-pass target features (`feature_layers` outputs), or None
+    final_hidden: Any  # [B, K + 1, D] verify-pass final normed hidden state, or None
 
 
 class Drafter:
     """Base class: a drafter proposing `num_draft` tokens per step."""
 
     name: str = "drafter"
-    hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states the drafter reads
+    feature_layers: tuple[int, ...] = ()  # target layers whose hidden states the drafter reads
     needs_final_hidden: bool = False  # whether it reads the target's final hidden state
     # Whether `commit` gives the same state from a context cut to the emitted width (tokens
     # [B, 1] and hidden states of one position) after a plain step: the engine then skips its

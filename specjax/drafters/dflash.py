@@ -232,7 +232,7 @@ class DFlashDrafter(Drafter):
         weights.config.check_target(target.config, self.source)
         self.weights = weights
         self.target = target
-        self.hidden_layers = weights.config.target_layers
+        self.feature_layers = weights.config.target_layers
 
     def check_shape(self) -> None:
         most = self.weights.config.max_num_draft
@@ -262,7 +262,7 @@ class DFlashDrafter(Drafter):
         net = self._net(dparams)
         b, t = ctx.prompt.shape
         pos = jnp.broadcast_to(jnp.arange(t)[None], (b, t))  # [B, T]
-        cache = net.new_cache(b, ctx.cache_size).write(net.context_kv(net.context(ctx.target_hidden), pos))
+        cache = net.new_cache(b, ctx.cache_size).write(net.context_kv(net.context(ctx.features), pos))
         return DFlashState(cache.with_lengths(ctx.prompt_len))  # padding past the prompt: never read
 
     def block_hidden(self, dparams, st: DFlashState, history: jax.Array, hist_len: jax.Array,
@@ -317,5 +317,5 @@ class DFlashDrafter(Drafter):
         net = self._net(dparams)
         w = ctx.tokens.shape[1]  # K + 1 (1 after a plain step)
         pos = st.cache.lengths[:, None] + jnp.arange(w)[None]  # [B, W]: old m + j
-        cache = st.cache.write(net.context_kv(net.context(ctx.target_hidden), pos))
+        cache = st.cache.write(net.context_kv(net.context(ctx.features), pos))
         return DFlashState(cache.with_lengths(ctx.hist_len - 1))

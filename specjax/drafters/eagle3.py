@@ -300,11 +300,11 @@ class Eagle3Drafter(Drafter):
         self.embed = weights.embed
         self.weights = weights
         self.target = target
-        self.hidden_layers = weights.config.target_layers
+        self.feature_layers = weights.config.target_layers
         self.min_confidence = float(min_confidence)
 
     def cache_key(self):
-        return super().cache_key() + (id(self.weights), self.hidden_layers, self.min_confidence)
+        return super().cache_key() + (id(self.weights), self.feature_layers, self.min_confidence)
 
     def label(self, spec: str | None) -> str:
         """The spec with the effective gate and the tree shape (`eagle3@0.5/tree4x5`)."""
@@ -332,7 +332,7 @@ class Eagle3Drafter(Drafter):
         nxt = jnp.take(ctx.history, jnp.minimum(jnp.arange(1, t + 1), ctx.history.shape[1] - 1), axis=1)
         emb = jnp.take(dparams["embed"], nxt, axis=0).astype(net.fc[...].dtype)  # [B, T, D]
         cache = net.new_cache(b, ctx.cache_size)
-        g, cache = net.step(emb, net.fuse(ctx.target_hidden), cache, fresh=True)  # [B, T, D]
+        g, cache = net.step(emb, net.fuse(ctx.features), cache, fresh=True)  # [B, T, D]
         g_last = jnp.take_along_axis(g, (ctx.prompt_len - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
         return Eagle3State(cache.with_lengths(ctx.prompt_len), g_last)
 
@@ -417,7 +417,7 @@ class Eagle3Drafter(Drafter):
         idx = jnp.minimum(old_m[:, None] + 1 + jnp.arange(kp1)[None], ctx.history.shape[1] - 1)
         nxt = jnp.take_along_axis(ctx.history, idx, axis=1)  # [B, K+1]: x_{t+1} for t = old_m + j
         emb = jnp.take(dparams["embed"], nxt, axis=0).astype(st.g_last.dtype)  # [B, K+1, D]
-        g, cache = net.step(emb, net.fuse(ctx.target_hidden), st.cache)  # [B, K+1, D]
+        g, cache = net.step(emb, net.fuse(ctx.features), st.cache)  # [B, K+1, D]
         new_m = ctx.hist_len - 1
         g_new = jnp.take_along_axis(g, jnp.clip(new_m - old_m - 1, 0, kp1 - 1)[:, None, None], axis=1)[:, 0]
         g_last = jnp.where((new_m > old_m)[:, None], g_new, st.g_last)

@@ -295,12 +295,12 @@ class MTPDrafter(Drafter):
         pos = jnp.broadcast_to(jnp.arange(t)[None], (b, t))  # [B, T]
         cos, sin = net.rope(pos)
         cache = net.new_cache(k_max, b, ctx.cache_size)
-        h = ctx.target_final  # [B, T, D]
+        h = ctx.final_hidden  # [B, T, D]
         for k in range(1, k_max + 1):  # entries j < c read x_{j+k} with j + k <= m: committed
             emb = jnp.take(dparams["embed"], gather_rows(ctx.history, pos + k), axis=0)  # [B, T, D]
             h, cache = net.run(k, emb, h, cache, cos, sin, fresh=True)
         length = self.window + k_max + 1  # L
-        fin = gather_rows(ctx.target_final, c[:, None] + jnp.arange(length)[None]).astype(net.dtype)  # [B, L, D]
+        fin = gather_rows(ctx.final_hidden, c[:, None] + jnp.arange(length)[None]).astype(net.dtype)  # [B, L, D]
         return MTPState(cache.with_lengths(c), fin, m)
 
     def draft_chain(self, dparams, st: MTPState, history: jax.Array, choose):
@@ -410,7 +410,7 @@ class MTPDrafter(Drafter):
         length = st.fin.shape[1]  # L = W + K + 1
         # verify-pass finals sit at old_m .. old_m + K, i.e. fin offsets old_m - c <= W
         fin = jax.vmap(lambda f, new, s: jax.lax.dynamic_update_slice(f, new.astype(f.dtype), (s, 0)))(
-            st.fin, ctx.target_final, old_m - c)  # [B, L, D]
+            st.fin, ctx.final_hidden, old_m - c)  # [B, L, D]
         pos = c[:, None] + jnp.arange(k_max + 1)[None]  # [B, K+1] positions c .. c + K
         cos, sin = net.rope(pos)
         h, cache = fin[:, : k_max + 1], st.cache  # [B, K+1, D]

@@ -203,7 +203,7 @@ class LlamaConfig:
         return d
 
 
-def tiny(**overrides) -> LlamaConfig:
+def cpu_smoke(**overrides) -> LlamaConfig:
     """The shape of the accelerator bench's `cpu-smoke` preset (specjax/bench/accel.py): a
     few-hundred-kilobyte random model that runs in seconds on CPU; `overrides` replace fields.
     Tests build their own tiny configs (tests/helpers.py: `tiny`)."""

@@ -16,7 +16,7 @@ projections are fused into one matmul each. The KV cache layout (per layer, keys
 `[B*KV, S, H]`) and the `[B*KV, S, M]` score layout are chosen for the same dot kernels; see
 kv_cache.py.
 
-Hidden-state hook: `collect=(i, j, ...)` returns the outputs of decoder layers i, j, ... (0-based;
+Target features: `feature_layers=(i, j, ...)` returns the outputs of decoder layers i, j, ... (0-based;
 HF's `hidden_states[i + 1]`), stacked `[n, B, T, D]`. EAGLE-3 fuses a low, middle and high layer;
 MTP heads read the final normed hidden state, which `hidden()` always returns.
 """
@@ -336,14 +336,14 @@ class Llama(nnx.Module):
         """Final normed hidden `[..., D]` -> f32 logits `[..., V]`."""
         return linear(self.head_weight(), h, jnp.float32)
 
-    def hidden(self, tokens, cache: KVCache, collect: tuple[int, ...] = (), positions=None, mask=None,
+    def hidden(self, tokens, cache: KVCache, feature_layers: tuple[int, ...] = (), positions=None, mask=None,
                fresh: bool = False):
         """Run the decoder over new tokens written at `cache.lengths`.
 
         Args:
           tokens: [B, T] int32.
           cache: the KV cache (S positions); rows attend to their first `lengths` entries.
-          collect: decoder layer indices (0-based) whose outputs to return.
+          feature_layers: decoder layer indices (0-based) whose outputs to return.
           positions: [B, T] int32 rope positions (default: lengths + t; a token tree passes
             lengths + depth, tree.py).
           mask: [B, T, T] bool attention among the new tokens (default: causal; a token tree
@@ -352,24 +352,24 @@ class Llama(nnx.Module):
 
         Returns:
           (final normed hidden [B, T, D], the cache with the new K/V written (lengths unchanged),
-          the `collect` layers' outputs [n, B, T, D] or None).
+          the `feature_layers` layers' outputs [n, B, T, D] or None).
         """
-        h, ks, vs, collected = self._layers(tokens, cache, collect, positions, mask, write=True, fresh=fresh)
-        return h, cache.replace(k=ks, v=vs), collected
+        h, ks, vs, features = self._layers(tokens, cache, feature_layers, positions, mask, write=True, fresh=fresh)
+        return h, cache.replace(k=ks, v=vs), features
 
-    def hidden_kv(self, tokens, cache: KVCache, collect: tuple[int, ...] = (), positions=None, mask=None):
+    def hidden_kv(self, tokens, cache: KVCache, feature_layers: tuple[int, ...] = (), positions=None, mask=None):
         """`hidden` with the cache read only (same arguments but `fresh`; same arithmetic).
 
         Returns:
           (final normed hidden [B, T, D], the new keys and values as a `KVUpdate` (L x
-          [B, T, KV, H], for `KVCache.write`), the `collect` layers' outputs [n, B, T, D] or None).
+          [B, T, KV, H], for `KVCache.write`), the `feature_layers` layers' outputs [n, B, T, D] or None).
         """
-        h, ks, vs, collected = self._layers(tokens, cache, collect, positions, mask, write=False)
-        return h, KVUpdate(ks, vs), collected
+        h, ks, vs, features = self._layers(tokens, cache, feature_layers, positions, mask, write=False)
+        return h, KVUpdate(ks, vs), features
 
-    def _layers(self, tokens, cache, collect, positions, mask, write: bool, fresh: bool = False):
+    def _layers(self, tokens, cache, feature_layers, positions, mask, write: bool, fresh: bool = False):
         """-> (final normed hidden, keys and values per layer: the written buffers `[B*KV, S, H]`
-        with `write`, else the new entries `[B, T, KV, H]`, collected hidden states)."""
+        with `write`, else the new entries `[B, T, KV, H]`, target features)."""
         x = self.embed_tokens(tokens)  # [B, T, D]
         b, t = tokens.shape
         if positions is None:
@@ -384,14 +384,14 @@ class Llama(nnx.Module):
             outs.append(x)
             ks.append(k)
             vs.append(v)
-        collected = jnp.stack([outs[i] for i in collect]) if collect else None  # [n, B, T, D]
-        return self.norm(x), tuple(ks), tuple(vs), collected
+        features = jnp.stack([outs[i] for i in feature_layers]) if feature_layers else None  # [n, B, T, D]
+        return self.norm(x), tuple(ks), tuple(vs), features
 
-    def __call__(self, tokens, cache: KVCache, collect: tuple[int, ...] = ()):
+    def __call__(self, tokens, cache: KVCache, feature_layers: tuple[int, ...] = ()):
         """`hidden` then `logits`: tokens `[B, T]` -> (f32 logits `[B, T, V]`, the cache with the
-        new K/V written, collected hidden states `[n, B, T, D]` or None)."""
-        h, cache, collected = self.hidden(tokens, cache, collect)  # [B, T, D]
-        return self.logits(h), cache, collected
+        new K/V written, target features `[n, B, T, D]` or None)."""
+        h, cache, features = self.hidden(tokens, cache, feature_layers)  # [B, T, D]
+        return self.logits(h), cache, features
 
     def new_cache(self, batch: int, size: int) -> KVCache:
         """An empty cache for `batch` rows of `size` positions: L x `[B*KV, S, H]` zeros, lengths 0."""

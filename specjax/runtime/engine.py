@@ -74,9 +74,9 @@ def prefill_chunk(b: int, t: int, s: int, num_heads: int) -> int:
     return c
 
 
-def _prefill(graphdef, params, prompt, prompt_len, *, cache_size, collect, want_final):
+def _prefill(graphdef, params, prompt, prompt_len, *, cache_size, feature_layers, want_final):
     """prompt `[B, T]` (right-padded), prompt_len `[B]` -> (cache with lengths = prompt_len,
-    last-position logits `[B, V]`, collected hidden `[n, B, T, D]` or None, final hidden
+    last-position logits `[B, V]`, target features `[n, B, T, D]` or None, final hidden
     `[B, T, D]` or None)."""
     model = nnx.merge(graphdef, params)
     b, t = prompt.shape
@@ -84,40 +84,40 @@ def _prefill(graphdef, params, prompt, prompt_len, *, cache_size, collect, want_
     c = prefill_chunk(b, t, cache_size, model.cfg.num_heads)
     last = (prompt_len - 1)[:, None, None]  # [B, 1, 1]
     if c == t:
-        h, cache, hidden = model.hidden(prompt, cache, collect=collect, fresh=True)  # h [B, T, D]
+        h, cache, features = model.hidden(prompt, cache, feature_layers=feature_layers, fresh=True)  # h [B, T, D]
         last_h = jnp.take_along_axis(h, last, axis=1)[:, 0]  # [B, D]
     else:
         d = model.cfg.hidden_size
         dtype = model.embed[...].dtype
         h = jnp.zeros((b, t, d), dtype) if want_final else None
-        hidden = jnp.zeros((len(collect), b, t, d), dtype) if collect else None
+        features = jnp.zeros((len(feature_layers), b, t, d), dtype) if feature_layers else None  # [n, B, T, D]
 
         def chunk(i, carry):
-            cache, last_h, h, hidden = carry
+            cache, last_h, h, features = carry
             lo = i * c
             toks = jax.lax.dynamic_slice_in_dim(prompt, lo, c, axis=1)  # [B, C]
-            h_c, cache, hid_c = model.hidden(toks, cache.with_lengths(jnp.full((b,), lo, jnp.int32)), collect)
+            h_c, cache, feat_c = model.hidden(toks, cache.with_lengths(jnp.full((b,), lo, jnp.int32)), feature_layers)
             j = jnp.clip(last - lo, 0, c - 1)  # [B, 1, 1]
             here = (last[:, 0] >= lo) & (last[:, 0] < lo + c)  # [B, 1]
             last_h = jnp.where(here, jnp.take_along_axis(h_c, j, axis=1)[:, 0], last_h)
             if h is not None:
                 h = jax.lax.dynamic_update_slice_in_dim(h, h_c.astype(dtype), lo, axis=1)
-            if hidden is not None:
-                hidden = jax.lax.dynamic_update_slice_in_dim(hidden, hid_c.astype(dtype), lo, axis=2)
-            return cache, last_h, h, hidden
+            if features is not None:
+                features = jax.lax.dynamic_update_slice_in_dim(features, feat_c.astype(dtype), lo, axis=2)
+            return cache, last_h, h, features
 
-        cache, last_h, h, hidden = jax.lax.fori_loop(0, t // c, chunk,
-                                                     (cache, jnp.zeros((b, d), dtype), h, hidden))
-    return cache.with_lengths(prompt_len), model.logits(last_h), hidden, (h if want_final else None)
+        cache, last_h, h, features = jax.lax.fori_loop(0, t // c, chunk,
+                                                       (cache, jnp.zeros((b, d), dtype), h, features))
+    return cache.with_lengths(prompt_len), model.logits(last_h), features, (h if want_final else None)
 
 
-def _decode(graphdef, params, dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final,
+def _decode(graphdef, params, dparams, cache, last_logits, prompt, prompt_len, features, final_hidden,
             samp: SamplingArrays, max_new, stop_ids, seed, policy, *, drafter: Drafter, all_greedy: bool,
             implementation: str):
     """max_new [B] int32; stop_ids [B, M] int32 (-1 padded); policy: RowPolicy or None. Returns
     the final LoopState."""
     model = nnx.merge(graphdef, params)
-    state = init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final, samp, max_new,
+    state = init_state(dparams, cache, last_logits, prompt, prompt_len, features, final_hidden, samp, max_new,
                        stop_ids, seed, drafter=drafter, all_greedy=all_greedy, stat_width=drafter.accept_width,
                        policy=policy)
     step = partial(decode_step, model, dparams, drafter=drafter, all_greedy=all_greedy,
@@ -151,33 +151,33 @@ class Engine:
         s = bucket_multiple(max(max(prompt_lens) + max_new + k + 2, t), 128)
         return t, s
 
-    def generate(self, prompt_ids: list[list[int]], params: list[SamplingParams], eos_ids=(),
+    def generate(self, prompt_ids: list[list[int]], sampling: list[SamplingParams], eos_ids=(),
                  drafter: Drafter | None = None, max_new_cap: int | None = None, spec_mode: int | None = None,
                  costs: np.ndarray | None = None) -> list[RowOutput]:
-        """`max_new_cap`: stop every row after this many tokens while compiling for the params'
+        """`max_new_cap`: stop every row after this many tokens while compiling for the rows'
         `max_new_tokens` (a short probe that runs the code the full batch runs). `spec_mode`: None
         (verify whatever the drafter proposes, no policy state) or a `policy.rows` mode (AUTO,
         ALWAYS, FORCE: one compiled loop serves all three) with `costs [K + 1]` for AUTO."""
         drafter = drafter or NoDrafter()
         b = len(prompt_ids)
         lens = [len(p) for p in prompt_ids]
-        max_new = max(p.max_new_tokens for p in params)
+        max_new = max(p.max_new_tokens for p in sampling)
         t, s = self.shapes(lens, max_new, drafter.num_draft)
         prompt = np.zeros((b, t), np.int32)
         for i, p in enumerate(prompt_ids):
             prompt[i, : len(p)] = p
-        stops = [tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos_ids)) for p in params]
+        stops = [tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos_ids)) for p in sampling]
         stop_arr = np.full((b, max(1, max(len(x) for x in stops))), -1, np.int32)
         for i, x in enumerate(stops):
             stop_arr[i, : len(x)] = x
-        samp = SamplingArrays.from_params(params)
-        all_greedy = all(p.greedy for p in params)
-        seed = jnp.asarray([p.row_seed() for p in params], jnp.uint32)
+        samp = SamplingArrays.from_params(sampling)
+        all_greedy = all(p.greedy for p in sampling)
+        seed = jnp.asarray([p.row_seed() for p in sampling], jnp.uint32)
         prompt, prompt_len = jnp.asarray(prompt), jnp.asarray(lens, jnp.int32)
         cap = max_new if max_new_cap is None else max_new_cap
-        max_new_arr = jnp.asarray([min(p.max_new_tokens, cap) for p in params], jnp.int32)
+        max_new_arr = jnp.asarray([min(p.max_new_tokens, cap) for p in sampling], jnp.int32)
         stop_arr = jnp.asarray(stop_arr)
-        mp, dparams = self.model.params, drafter.params()
+        weights, dparams = self.model.params, drafter.params()
         if self.mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
 
@@ -192,18 +192,18 @@ class Engine:
             policy = new_policy(b, table, spec_mode)
             if self.mesh is not None:
                 policy = jax.device_put(policy, RowPolicy(repl, repl, rows, rows, rows, rows))
-        pre_static = dict(cache_size=s, collect=drafter.hidden_layers, want_final=drafter.needs_final_hidden)
-        pre = self._get("prefill", _prefill, pre_static, (), mp, prompt, prompt_len)
+        pre_static = dict(cache_size=s, feature_layers=drafter.feature_layers, want_final=drafter.needs_final_hidden)
+        pre = self._get("prefill", _prefill, pre_static, (), weights, prompt, prompt_len)
         # Compile decode before timing anything: its arguments' shapes are known without running.
         c_shape, l_shape, h_shape, f_shape = pre.out_info
         dec_static = dict(drafter=drafter, all_greedy=all_greedy, implementation=self.implementation)
-        dec = self._get("decode", _decode, dec_static, (2,), mp, dparams, c_shape, l_shape, prompt, prompt_len,
+        dec = self._get("decode", _decode, dec_static, (2,), weights, dparams, c_shape, l_shape, prompt, prompt_len,
                         h_shape, f_shape, samp, max_new_arr, stop_arr, seed, policy)
         t0 = time.perf_counter()
-        cache, last_logits, pre_hidden, pre_final = pre(mp, prompt, prompt_len)
+        cache, last_logits, features, final_hidden = pre(weights, prompt, prompt_len)
         jax.block_until_ready(last_logits)
         t1 = time.perf_counter()
-        st = dec(mp, dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final,
+        st = dec(weights, dparams, cache, last_logits, prompt, prompt_len, features, final_hidden,
                  samp, max_new_arr, stop_arr, seed, policy)
         history = np.asarray(st.history)
         t2 = time.perf_counter()

@@ -68,9 +68,10 @@ def _take_row(big, like, slot):
 def _prefill_row(params, dparams, prompt, prompt_len, samp, max_new, stop_ids, seed, *, graphdef, cache_size,
                  drafter, stat_width):
     """prompt [1, T] -> a one-row LoopState."""
-    cache, logits, hidden, final = _prefill(graphdef, params, prompt, prompt_len, cache_size=cache_size,
-                                            collect=drafter.hidden_layers, want_final=drafter.needs_final_hidden)
-    return init_state(dparams, cache, logits, prompt, prompt_len, hidden, final, samp, max_new, stop_ids, seed,
+    cache, logits, features, final_hidden = _prefill(graphdef, params, prompt, prompt_len, cache_size=cache_size,
+                                                     feature_layers=drafter.feature_layers,
+                                                     want_final=drafter.needs_final_hidden)
+    return init_state(dparams, cache, logits, prompt, prompt_len, features, final_hidden, samp, max_new, stop_ids, seed,
                       drafter=drafter, all_greedy=False, stat_width=stat_width)
 
 

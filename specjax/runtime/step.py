@@ -51,8 +51,8 @@ class Pending:
     features the drafter's commit reads for them (slot i: the pass position that emitted token i)."""
 
     count: jax.Array  # [B] int32
-    hidden: Any  # [n, B, K + 1, D] hidden states of `hidden_layers` at those positions, or None
-    final: Any  # [B, K + 1, D] final normed hidden at those positions, or None
+    features: Any  # [n, B, K + 1, D] target features (`feature_layers` outputs) at those positions, or None
+    final_hidden: Any  # [B, K + 1, D] final normed hidden state at those positions, or None
 
 
 @struct.dataclass
@@ -110,8 +110,8 @@ class PassOutput:
     n: jax.Array  # [B] int32, drafts accepted
     emitted: jax.Array  # [B, K+1] int32, accepted drafts then the recovered/bonus token, -1 after
     new_kv: KVUpdate  # the pass's keys and values, unwritten, K + 1 positions (a tree: its path)
-    hidden: Any  # [n, B, K+1, D] features of `hidden_layers` at the emitting positions, or None
-    final: Any  # [B, K+1, D] final normed hidden there, or None
+    features: Any  # [n, B, K+1, D] target features at the emitting positions, or None
+    final_hidden: Any  # [B, K+1, D] final normed hidden state there, or None
 
 
 def _is_stop(tokens, stop_ids):
@@ -119,7 +119,7 @@ def _is_stop(tokens, stop_ids):
     return jnp.any(tokens[:, :, None] == stop_ids[:, None, :], axis=-1)
 
 
-def init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_final, samp: SamplingArrays,
+def init_state(dparams, cache, last_logits, prompt, prompt_len, features, final_hidden, samp: SamplingArrays,
                max_new, stop_ids, seed, *, drafter: Drafter, all_greedy: bool, stat_width: int,
                policy: RowPolicy | None = None) -> LoopState:
     """The loop state after the prefill.
@@ -128,8 +128,8 @@ def init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_
       dparams: the drafter's parameters; cache: the target cache after the prefill.
       last_logits: [B, V] logits after each prompt's last token (the first token is sampled here).
       prompt: [B, T] int32 right-padded; prompt_len: [B] int32.
-      pre_hidden: [n, B, T, D] prompt features of the drafter's `hidden_layers`, or None.
-      pre_final: [B, T, D] final normed hidden over the prompt, or None.
+      features: [n, B, T, D] prompt features of the drafter's `feature_layers`, or None.
+      final_hidden: [B, T, D] final normed hidden state over the prompt, or None.
       samp: [B] sampling settings; max_new: [B] int32; stop_ids: [B, M] int32 (-1 padded).
       seed: [B] uint32, each row's random seed, kept in the state.
       stat_width: W of the statistics arrays (>= the drafter's accept width).
@@ -146,7 +146,7 @@ def init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_
     stop = _is_stop(first[:, None], stop_ids)[:, 0]  # [B]
     dstate = drafter.init(
         dparams,
-        InitContext(prompt, prompt_len, history, hist_len, samp, pre_hidden, pre_final, s, all_greedy),
+        InitContext(prompt, prompt_len, history, hist_len, samp, features, final_hidden, s, all_greedy),
     )
     return LoopState(
         cache=cache,
@@ -165,7 +165,7 @@ def init_state(dparams, cache, last_logits, prompt, prompt_len, pre_hidden, pre_
         stop_ids=stop_ids,
         sampling=samp,
         policy=policy,
-        pending=new_pending(drafter, b, pre_hidden, pre_final) if defers_commits(drafter, policy) else None,
+        pending=new_pending(drafter, b, features, final_hidden) if defers_commits(drafter, policy) else None,
     )
 
 
@@ -175,19 +175,20 @@ def defers_commits(drafter: Drafter, policy) -> bool:
     return policy is not None and drafter.num_draft > 0 and drafter.proposal_optional and drafter.lazy_commit
 
 
-def new_pending(drafter: Drafter, b: int, pre_hidden, pre_final) -> Pending:
-    """No deferred steps; buffers shaped after the prefill's hidden `[n, B, T, D]` and final
-    `[B, T, D]` states (None when the drafter reads none)."""
+def new_pending(drafter: Drafter, b: int, features, final_hidden) -> Pending:
+    """No deferred steps; buffers shaped after the prefill's features `[n, B, T, D]` and final
+    hidden state `[B, T, D]` (None when the drafter reads none)."""
     w = drafter.accept_width + 1
-    hidden = None if pre_hidden is None else jnp.zeros(pre_hidden.shape[:2] + (w, pre_hidden.shape[3]),
-                                                       pre_hidden.dtype)  # [n, B, K+1, D]
-    final = None if pre_final is None else jnp.zeros((b, w, pre_final.shape[2]), pre_final.dtype)  # [B, K+1, D]
-    return Pending(jnp.zeros((b,), jnp.int32), hidden, final)
+    feats = None if features is None else jnp.zeros(features.shape[:2] + (w, features.shape[3]),
+                                                    features.dtype)  # [n, B, K+1, D]
+    final = None if final_hidden is None else jnp.zeros((b, w, final_hidden.shape[2]),
+                                                        final_hidden.dtype)  # [B, K+1, D]
+    return Pending(jnp.zeros((b,), jnp.int32), feats, final)
 
 
-def defer(pend: Pending, n_emit, hidden, final) -> Pending:
+def defer(pend: Pending, n_emit, features, final_hidden) -> Pending:
     """Add a step's emitted tokens to `pend`: n_emit [B] tokens each row added to the history (0
-    when not running), hidden [n, B, K + 1, D] / final [B, K + 1, D] the step's target features
+    when not running), features [n, B, K + 1, D] / final_hidden [B, K + 1, D] the step's target states
     (position j emitted token j). The caller keeps count + n_emit <= K + 1."""
     def put(buf, new, axis):  # buf, new [..., B, K+1, D]: slot count + j of a row gets new position j
         src = jnp.arange(buf.shape[axis])[None] - pend.count[:, None]  # [B, K+1]
@@ -198,8 +199,8 @@ def defer(pend: Pending, n_emit, hidden, final) -> Pending:
         return jnp.where(take.reshape(shape), moved, buf)
 
     return pend.replace(count=pend.count + n_emit,
-                        hidden=None if pend.hidden is None else put(pend.hidden, hidden, 2),
-                        final=None if pend.final is None else put(pend.final, final, 1))
+                        features=None if pend.features is None else put(pend.features, features, 2),
+                        final_hidden=None if pend.final_hidden is None else put(pend.final_hidden, final_hidden, 1))
 
 
 def catch_up(drafter: Drafter, dparams, dstate, pend: Pending, history, hist_len):
@@ -208,7 +209,8 @@ def catch_up(drafter: Drafter, dparams, dstate, pend: Pending, history, hist_len
     w = drafter.accept_width + 1
     idx = hist_len[:, None] - pend.count[:, None] + jnp.arange(w)[None]  # [B, K+1]
     tokens = jnp.take_along_axis(history, jnp.clip(idx, 0, history.shape[1] - 1), axis=1)  # [B, K+1]
-    ctx = CommitContext(pend.count - 1, tokens, history, hist_len, pend.count > 0, pend.hidden, pend.final)
+    ctx = CommitContext(pend.count - 1, tokens, history, hist_len, pend.count > 0, pend.features,
+                        pend.final_hidden)
     return drafter.catch_up(dparams, dstate, ctx), pend.replace(count=jnp.zeros_like(pend.count))
 
 
@@ -300,7 +302,7 @@ def verify(model, drafter: Drafter, ver: Verification, cache: KVCache, samp: Sam
     the plain one-token step (branch 0), a verify of each listed prefix length, or the tree under
     its ancestor mask, node i at position lengths + 1 + depth(i)."""
     b, k = ver.tokens_in.shape[0], drafter.accept_width
-    collect = drafter.hidden_layers
+    layers = drafter.feature_layers
 
     def final_of(h):
         return h if drafter.needs_final_hidden else None
@@ -314,35 +316,35 @@ def verify(model, drafter: Drafter, ver: Verification, cache: KVCache, samp: Sam
             out.n,
             jnp.pad(out.emitted, ((0, 0), (0, extra)), constant_values=-1),  # [B, K+1]
             out.new_kv.pad_to(k + 1),
-            None if out.hidden is None else jnp.pad(out.hidden, ((0, 0), (0, 0), (0, extra), (0, 0))),
-            None if out.final is None else jnp.pad(out.final, ((0, 0), (0, extra), (0, 0))),
+            None if out.features is None else jnp.pad(out.features, ((0, 0), (0, 0), (0, extra), (0, 0))),
+            None if out.final_hidden is None else jnp.pad(out.final_hidden, ((0, 0), (0, extra), (0, 0))),
         )
 
     def chain_pass(length, tokens_in, draft, q, cache, seeds):
         """The first `length` drafts: a pass over [last, d_1..d_length] [B, length+1]."""
-        h, new_kv, hidden = model.hidden_kv(tokens_in[:, : length + 1], cache, collect=collect)  # [B, L+1, D]
+        h, new_kv, features = model.hidden_kv(tokens_in[:, : length + 1], cache, layers)  # [B, L+1, D]
         qp = None if q is None else q[:, :length]
         n, emitted, _ = accept(model.logits(h), draft[:, :length], qp, samp, seeds, all_greedy, implementation)
-        return full_width(PassOutput(n, emitted, new_kv, hidden, final_of(h)))
+        return full_width(PassOutput(n, emitted, new_kv, features, final_of(h)))
 
     def plain_pass(tokens_in, draft, q, cache, seeds):
         """One token without verification (drafts all rejected)."""
-        h, new_kv, hidden = model.hidden_kv(tokens_in[:, :1], cache, collect=collect)  # [B, 1, D]
+        h, new_kv, features = model.hidden_kv(tokens_in[:, :1], cache, layers)  # [B, 1, D]
         tok = sample(seeds, model.logits(h[:, 0]), samp)  # [B]
-        return full_width(PassOutput(jnp.zeros((b,), jnp.int32), tok[:, None], new_kv, hidden, final_of(h)))
+        return full_width(PassOutput(jnp.zeros((b,), jnp.int32), tok[:, None], new_kv, features, final_of(h)))
 
     def tree_pass(tokens_in, draft, q, cache, seeds):
         """[last, nodes] [B, N+1] under the ancestor mask; the accepted path's outputs, root first."""
         par = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), ver.parents + 1], axis=1)  # [B, N+1]: last is root
         mask = ancestor_mask(par)  # [B, N+1, N+1]
         positions = cache.lengths[:, None] + jnp.sum(mask, axis=-1) - 1  # [B, N+1]
-        h, new_kv, hidden = model.hidden_kv(tokens_in, cache, collect=collect, positions=positions, mask=mask)
+        h, new_kv, features = model.hidden_kv(tokens_in, cache, layers, positions=positions, mask=mask)
         n, emitted, path = accept(model.logits(h), draft, None, samp, seeds, all_greedy, implementation,
                                   parents=ver.accept_parents, width=k)  # [B], [B, K+1], [B, K]
         rows = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.maximum(path, -1) + 1], axis=1)  # [B, K+1]
-        hidden = None if hidden is None else jnp.take_along_axis(hidden, rows[None, :, :, None], axis=2)
+        features = None if features is None else jnp.take_along_axis(features, rows[None, :, :, None], axis=2)
         final = jnp.take_along_axis(h, rows[:, :, None], axis=1) if drafter.needs_final_hidden else None
-        return PassOutput(n, emitted, new_kv.take(rows), hidden, final)
+        return PassOutput(n, emitted, new_kv.take(rows), features, final)
 
     args = (ver.tokens_in, ver.draft, ver.q, cache, seeds)
     if ver.branch is None:  # K = 0 (plain decoding), or one listed length and nothing to gate
@@ -385,14 +387,14 @@ def commit(drafter: Drafter, dparams, dstate, pending, lazy: bool, cache: KVCach
     starts = jnp.where(out.emitted[:, 0] < 0, 0, cache.lengths)  # [B] == lengths
     cache = cache.with_lengths(starts).write(out.new_kv)
     cache = cache.advance(jnp.where(live, out.n + 1, 0))
-    ctx = CommitContext(out.n, out.emitted, history, hist_len, live, out.hidden, out.final)
+    ctx = CommitContext(out.n, out.emitted, history, hist_len, live, out.features, out.final_hidden)
     if lazy:
-        return cache, dstate, defer(pending, n_emit, out.hidden, out.final)  # caught up by a later draft stage
+        return cache, dstate, defer(pending, n_emit, out.features, out.final_hidden)  # caught up later
     if drafter.narrow_commit and ver.branch is not None:
         # A plain step emits one token a row: commit over that position alone, not K + 1.
         narrow = CommitContext(out.n, out.emitted[:, :1], history, hist_len, live,
-                               None if out.hidden is None else out.hidden[:, :, :1],
-                               None if out.final is None else out.final[:, :1])
+                               None if out.features is None else out.features[:, :, :1],
+                               None if out.final_hidden is None else out.final_hidden[:, :1])
         dstate = jax.lax.cond(ver.branch == 0, lambda: drafter.commit(dparams, dstate, narrow),
                               lambda: drafter.commit(dparams, dstate, ctx))
         return cache, dstate, pending
