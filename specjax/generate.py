@@ -111,8 +111,14 @@ def generate(
     if len(variants) > 1:
         key = f"{cost_key(m, d, d.label(drafter), len(ids))}|{num_draft}"
         if key not in _AUTO_K:
-            gains = measure_gains(engine, ids, params, m.config.eos_token_ids, variants,
-                                  {k: v.label(drafter) for k, v in variants.items()})
+            gains = measure_gains(
+                engine,
+                ids,
+                params,
+                m.config.eos_token_ids,
+                variants,
+                {k: v.label(drafter) for k, v in variants.items()},
+            )
             _AUTO_K[key] = max(gains, key=lambda k: (gains[k][1], -k))  # ties: the smaller K
         d = variants[_AUTO_K[key]]
     if spec_policy == "auto" and d.num_draft > 0:
@@ -130,8 +136,7 @@ def generate(
         seconds = row.prefill_seconds + row.decode_seconds
         text = m.tokenizer.decode(row.token_ids, skip_special_tokens=True) if m.tokenizer else ""
         # the prefill emits the first token; MAL counts the tokens of draft-verify steps
-        acc = AcceptanceStats.from_counts(row.steps, len(row.token_ids) - 1, row.checked, row.accepted,
-                                          row.off_chain)
+        acc = AcceptanceStats.from_counts(row.steps, len(row.token_ids) - 1, row.checked, row.accepted, row.off_chain)
         stats = GenerationStats(
             steps=row.steps,
             mean_accepted_length=acc.mal,

@@ -34,8 +34,9 @@ def check_text(text: str, what: str = "the prompt") -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise InvalidPromptError(f"{what} is not valid UTF-8 text (an undecodable byte or a lone surrogate at "
-                                 f"character {e.start})") from None
+        raise InvalidPromptError(
+            f"{what} is not valid UTF-8 text (an undecodable byte or a lone surrogate at character {e.start})"
+        ) from None
 
 
 def special_tokens(tok) -> dict[str, Any]:

@@ -36,8 +36,10 @@ def encode_prompt(model: Model, prompt: Prompt, raw: bool = False) -> list[int]:
             raise InvalidPromptError("empty prompt")
         check_text(prompt)
         if tok is None:
-            raise InvalidPromptError(f"model {model.name} has no tokenizer (no tokenizer files beside its weights): "
-                                     f"give token ids through the Python API")
+            raise InvalidPromptError(
+                f"model {model.name} has no tokenizer (no tokenizer files beside its weights): "
+                f"give token ids through the Python API"
+            )
         if not raw and getattr(tok, "chat_template", None):
             ids = encode_chat(tok, [{"role": "user", "content": str(prompt)}])
         else:
@@ -48,12 +50,15 @@ def encode_prompt(model: Model, prompt: Prompt, raw: bool = False) -> list[int]:
         if any("role" not in m or "content" not in m for m in prompt):
             raise InvalidPromptError("each chat message needs 'role' and 'content'")
         ids = encode_chat(tok, list(prompt))
-    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-                                                  for t in prompt):
+    elif isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
+    ):
         ids, from_tokenizer = [int(t) for t in prompt], False
     else:
-        raise InvalidPromptError(f"a prompt is a string, a list of chat messages or a list of token ids, "
-                                 f"got {type(prompt).__name__}: {str(prompt)[:60]!r}")
+        raise InvalidPromptError(
+            f"a prompt is a string, a list of chat messages or a list of token ids, "
+            f"got {type(prompt).__name__}: {str(prompt)[:60]!r}"
+        )
     if not ids:
         raise InvalidPromptError("empty prompt")
     if any(t < 0 or t >= model.config.vocab_size for t in ids):

@@ -39,8 +39,14 @@ class AcceptanceStats:
         """From step, token and per-position counts: every verify step checks draft 0, so
         `checked[0]` counts the steps that verified."""
         checked = np.asarray(checked, np.int64)
-        return cls(int(steps), int(tokens), int(checked[0]) if len(checked) else 0, checked,
-                   np.asarray(accepted, np.int64), int(off_chain))
+        return cls(
+            int(steps),
+            int(tokens),
+            int(checked[0]) if len(checked) else 0,
+            checked,
+            np.asarray(accepted, np.int64),
+            int(off_chain),
+        )
 
     def add(self, o: "AcceptanceStats") -> None:
         self.steps += o.steps

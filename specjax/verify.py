@@ -21,8 +21,17 @@ from specjax.models.tree import ancestor_mask
 from specjax.sampling import SamplingArrays, sample, target_probs
 
 
-def accept(logits, draft, q, sampling: SamplingArrays, seeds, all_greedy: bool, implementation: str = "auto",
-           parents=None, width: int = 0):
+def accept(
+    logits,
+    draft,
+    q,
+    sampling: SamplingArrays,
+    seeds,
+    all_greedy: bool,
+    implementation: str = "auto",
+    parents=None,
+    width: int = 0,
+):
     """The accept step of one verify pass, a chain or a token tree.
 
     Args:
@@ -42,6 +51,7 @@ def accept(logits, draft, q, sampling: SamplingArrays, seeds, all_greedy: bool, 
       recovered/bonus token, -1 after it; W = K for chains, `width` for trees); path [B, W] int32
       (the accepted nodes root first, -1 after n) for trees, None for chains.
     """
+
     def run(greedy):
         if parents is None:
             return (*accept_chain(logits, draft, q, sampling, seeds, greedy, implementation), None)
@@ -72,8 +82,9 @@ def accept_chain(logits, draft, q, sampling: SamplingArrays, seeds, greedy: bool
     return rejection_sample(p, q, draft, seeds, implementation)
 
 
-def accept_tree(logits, tokens, parents, sampling: SamplingArrays, seeds, greedy: bool, width: int,
-                implementation: str = "auto"):
+def accept_tree(
+    logits, tokens, parents, sampling: SamplingArrays, seeds, greedy: bool, width: int, implementation: str = "auto"
+):
     """The accept step of a token tree in one mode (`greedy` static).
 
     Args:

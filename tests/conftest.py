@@ -82,11 +82,19 @@ def real_tokenizer_checkpoint(tmp_path_factory, default_model):
     embeddings; `config` (HF LlamaConfig fields) overrides them."""
 
     def make(name: str, **config) -> str:
-        base = dict(vocab_size=default_model.config.vocab_size, hidden_size=32, intermediate_size=64,
-                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                    tie_word_embeddings=True)
-        return tiny_checkpoint_with_tokenizer(str(tmp_path_factory.mktemp(name)), default_model.tokenizer,
-                                              **{**base, **config})
+        base = dict(
+            vocab_size=default_model.config.vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            tie_word_embeddings=True,
+        )
+        return tiny_checkpoint_with_tokenizer(
+            str(tmp_path_factory.mktemp(name)), default_model.tokenizer, **{**base, **config}
+        )
 
     return make
 
@@ -140,8 +148,15 @@ def batch_model_dir(real_tokenizer_checkpoint):
     """A tiny random checkpoint (1 layer, weights with std 0.3 so greedy texts differ from row to
     row) with the default model's tokenizer and chat template: the batch-job tests' model."""
     return real_tokenizer_checkpoint(
-        "batch_model", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False)
+        "batch_model",
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -157,6 +172,9 @@ def cli_env(tmp_path_factory) -> dict:
     compilation cache, so a restarted process loads what its predecessor compiled (as a real
     deployment would) instead of spending the test's time compiling it again."""
     e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    e.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    e.update(
+        JAX_PLATFORMS="cpu",
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    )
     return e

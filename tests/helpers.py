@@ -199,8 +199,14 @@ def four_device_losses(module: str, store_path: str, out: str, steps: int, *task
     the tests compare with one device."""
     import subprocess
 
-    script = FOUR_DEVICE_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), module=module,
-                                       store=store_path, out=out, steps=steps, task_args=task_args)
+    script = FOUR_DEVICE_SCRIPT.format(
+        tests=os.path.dirname(os.path.abspath(__file__)),
+        module=module,
+        store=store_path,
+        out=out,
+        steps=steps,
+        task_args=task_args,
+    )
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

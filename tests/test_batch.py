@@ -61,8 +61,22 @@ def reference(batch_model, job_input, tmp_path_factory) -> dict:
 
 
 def cli_args(batch_model_dir, inp, out, *more) -> list[str]:
-    return [*specjax_cli_cmd(), "batch", "--input", inp, "--output", str(out), "--model", batch_model_dir,
-            "--max-new-tokens", str(MAX_NEW), "--batch-size", str(BATCH), "--no-progress", *more]
+    return [
+        *specjax_cli_cmd(),
+        "batch",
+        "--input",
+        inp,
+        "--output",
+        str(out),
+        "--model",
+        batch_model_dir,
+        "--max-new-tokens",
+        str(MAX_NEW),
+        "--batch-size",
+        str(BATCH),
+        "--no-progress",
+        *more,
+    ]
 
 
 def wait_for_lines(path, proc, n=1, timeout=180.0) -> None:
@@ -162,8 +176,11 @@ def test_rerun_with_other_settings_is_refused(batch_model, job_input, reference,
     run_batch(dataclasses.replace(first, limit=6))
     before = out.read_bytes()
     other = dataclasses.replace(first.sampling, temperature=0.5, max_new_tokens=MAX_NEW + 1)
-    with pytest.raises(SpecjaxError, match=r"temperature=0.0, max_new_tokens=8 \(kept in .*res.jsonl.job.json\); "
-                                           r"this run has temperature=0.5, max_new_tokens=9"):
+    with pytest.raises(
+        SpecjaxError,
+        match=r"temperature=0.0, max_new_tokens=8 \(kept in .*res.jsonl.job.json\); "
+        r"this run has temperature=0.5, max_new_tokens=9",
+    ):
         run_batch(dataclasses.replace(first, sampling=other))
     assert out.read_bytes() == before
     reseeded = dataclasses.replace(first.sampling, seed=123, top_p=0.5)  # read by sampled rows only: none here
@@ -180,41 +197,51 @@ def test_errors_file_names_each_bad_row(batch_model, reference, tmp_path):
 
     good = batch_job_rows()[:4]
     lines = [json.dumps(r) for r in good] + [
-        "{not json",                                                      # 5
-        "[1, 2, 3]",                                                      # 6
-        json.dumps({"id": "np"}),                                         # 7
-        json.dumps({"prompt": "no id here"}),                             # 8
-        json.dumps({"id": "q1", "prompt": "the same id again"}),          # 9
-        json.dumps({"id": "long", "prompt": "word " * 300}),              # 10
+        "{not json",  # 5
+        "[1, 2, 3]",  # 6
+        json.dumps({"id": "np"}),  # 7
+        json.dumps({"prompt": "no id here"}),  # 8
+        json.dumps({"id": "q1", "prompt": "the same id again"}),  # 9
+        json.dumps({"id": "long", "prompt": "word " * 300}),  # 10
         json.dumps({"id": "fill", "prompt": "Hello there", "max_new_tokens": 250}),  # 11
-        json.dumps({"id": "t", "prompt": "x", "temperature": -1}),        # 12
-        json.dumps({"id": "p", "prompt": "x", "top_p": 1.5}),             # 13
-        json.dumps({"id": "k", "prompt": "x", "top_k": "3"}),             # 14
-        json.dumps({"id": "n", "prompt": "x", "max_new_tokens": 0}),      # 15
-        json.dumps({"id": "s", "prompt": "x", "seed": -1}),               # 16
-        json.dumps({"id": "m", "messages": []}),                          # 17
+        json.dumps({"id": "t", "prompt": "x", "temperature": -1}),  # 12
+        json.dumps({"id": "p", "prompt": "x", "top_p": 1.5}),  # 13
+        json.dumps({"id": "k", "prompt": "x", "top_k": "3"}),  # 14
+        json.dumps({"id": "n", "prompt": "x", "max_new_tokens": 0}),  # 15
+        json.dumps({"id": "s", "prompt": "x", "seed": -1}),  # 16
+        json.dumps({"id": "m", "messages": []}),  # 17
         json.dumps({"id": "both", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}),  # 18
-        "",                                                               # 19: blank, skipped
-        json.dumps({"id": "", "prompt": "empty id"}),                     # 20
-        json.dumps({"id": "e", "prompt": "   "}),                         # 21
+        "",  # 19: blank, skipped
+        json.dumps({"id": "", "prompt": "empty id"}),  # 20
+        json.dumps({"id": "e", "prompt": "   "}),  # 21
     ]
     inp = tmp_path / "in.jsonl"
     with open(inp, "wb") as fh:
         fh.write(("\n".join(lines) + "\n").encode())
-        fh.write(b'{"id": "bytes", "prompt": "\xff\xfe"}\n')               # 22
+        fh.write(b'{"id": "bytes", "prompt": "\xff\xfe"}\n')  # 22
     out = tmp_path / "out.jsonl"
     summary = run_batch(config(batch_model, str(inp), out))
     assert summary["written"] == 4 and summary["errors"] == 17
     assert sorted(r["id"] for r in read_rows(out)) == sorted(r["id"] for r in good if isinstance(r["id"], str))
     errors = read_rows(str(out) + ".errors.jsonl")
     expected = [
-        (5, None, "invalid JSON"), (6, None, "must be a JSON object"), (7, "np", "missing prompt"),
-        (8, None, "missing id"), (9, "q1", "duplicate id (first on line 2)"),
+        (5, None, "invalid JSON"),
+        (6, None, "must be a JSON object"),
+        (7, "np", "missing prompt"),
+        (8, None, "missing id"),
+        (9, "q1", "duplicate id (first on line 2)"),
         (10, "long", "does not fit the model's context of 256 tokens"),
-        (11, "fill", "max_new_tokens 250 exceeds the model's context"), (12, "t", "temperature"),
-        (13, "p", "top_p"), (14, "k", "top_k must be a number"), (15, "n", "max_new_tokens"),
-        (16, "s", "seed"), (17, "m", "'messages' must be a non-empty list"), (18, "both", "not both"),
-        (20, None, "invalid id ''"), (21, "e", "'prompt' must be a non-empty string"), (22, None, "not UTF-8"),
+        (11, "fill", "max_new_tokens 250 exceeds the model's context"),
+        (12, "t", "temperature"),
+        (13, "p", "top_p"),
+        (14, "k", "top_k must be a number"),
+        (15, "n", "max_new_tokens"),
+        (16, "s", "seed"),
+        (17, "m", "'messages' must be a non-empty list"),
+        (18, "both", "not both"),
+        (20, None, "invalid id ''"),
+        (21, "e", "'prompt' must be a non-empty string"),
+        (22, None, "not UTF-8"),
     ]
     assert [(e["line"], e["id"]) for e in errors] == [(line, i) for line, i, _ in expected]
     for e, (_, _, reason) in zip(errors, expected):
@@ -232,8 +259,11 @@ def test_openai_max_tokens_and_ignored_fields():
     assert same.sampling.max_new_tokens == 4
     bad = parse_row(3, json.dumps({"id": 3, "prompt": "x", "max_tokens": 4, "max_new_tokens": 5}).encode(), defaults)
     assert isinstance(bad, BadRow) and "disagree" in bad.reason
-    lines = [(1, b'{"id": 1, "prompt": "x", "category": "a", "temprature": 0.5}'), (2, b'{"id": 2, "prompt": "y", '
-             b'"category": "b", "max_tokens": 3}'), (3, b"{not json")]
+    lines = [
+        (1, b'{"id": 1, "prompt": "x", "category": "a", "temprature": 0.5}'),
+        (2, b'{"id": 2, "prompt": "y", "category": "b", "max_tokens": 3}'),
+        (3, b"{not json"),
+    ]
     ignored: dict[str, int] = {}
     parse_input(lines, defaults, ignored)
     assert ignored == {"category": 2, "temprature": 1}
@@ -296,9 +326,13 @@ def test_sharded_over_four_host_devices_matches_one_device(batch_model_dir, gree
     """`--mesh data=4` (rows split over devices) and `data=2,model=2` (plus weights split
     tensor-parallel) give the single-device run's greedy outputs."""
     out = str(tmp_path / "out.jsonl")
-    proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT, batch_model_dir, greedy_input, out, str(MAX_NEW)],
-                          env=dict(cli_env, XLA_FLAGS="--xla_force_host_platform_device_count=4"),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARDED_SCRIPT, batch_model_dir, greedy_input, out, str(MAX_NEW)],
+        env=dict(cli_env, XLA_FLAGS="--xla_force_host_platform_device_count=4"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     assert info["devices"] == 4
@@ -326,8 +360,10 @@ def test_two_processes_over_loopback_with_a_restart(batch_model_dir, job_input, 
 
     out = tmp_path / "out.jsonl"
     coord = ["--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
-    args = [cli_args(batch_model_dir, job_input, out, *coord, "--process-id", str(i), "--merge-wait", "200")
-            for i in range(2)]
+    args = [
+        cli_args(batch_model_dir, job_input, out, *coord, "--process-id", str(i), "--merge-wait", "200")
+        for i in range(2)
+    ]
     procs = [subprocess.Popen(a, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for a in args]
     part1 = f"{out}.part-1-of-2"
     wait_for_lines(part1, procs[1])
@@ -336,8 +372,13 @@ def test_two_processes_over_loopback_with_a_restart(batch_model_dir, job_input, 
     assert procs[1].returncode == -signal.SIGKILL, f"process 1 ended before it could be killed: {err1[-2000:]}"
     assert 0 < len(read_rows(part1)) < 8
 
-    rerun = subprocess.run(cli_args(batch_model_dir, job_input, out, "--num-processes", "2", "--process-id", "1"),
-                           env=cli_env, capture_output=True, text=True, timeout=300)
+    rerun = subprocess.run(
+        cli_args(batch_model_dir, job_input, out, "--num-processes", "2", "--process-id", "1"),
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert rerun.returncode == 0, rerun.stderr
     _, err0 = procs[0].communicate(timeout=300)
     assert procs[0].returncode == 0, err0
@@ -436,8 +477,9 @@ def test_auto_policy_records_cost_tables_and_resume_reuses_them(batch_model, job
         assert json.load(fh)["classes"]["4/greedy"]["costs"] == [1.0, 9.0, 9.0, 9.0]  # not measured again
 
 
-@pytest.mark.parametrize("policy, expect", [("2", {4: 0, 1: 3}), ("4", {4: 3, 1: 3}), ("0", {4: 0, 1: 0}),
-                                            ("always", {4: 3, 1: 3})])
+@pytest.mark.parametrize(
+    "policy, expect", [("2", {4: 0, 1: 3}), ("4", {4: 3, 1: 3}), ("0", {4: 0, 1: 0}), ("always", {4: 3, 1: 3})]
+)
 def test_static_policy_by_batch_rows(batch_model, greedy_input, reference, tmp_path, policy, expect):
     """`--spec-policy N`: speculate in batches of at most N rows (5 rows: a batch of 4 and one
     of 1); `always`: in every batch, verifying every step. Greedy rows equal plain decoding either
@@ -465,6 +507,7 @@ def test_batch_policy_state_file(tmp_path):
     error; bad settings are one-line errors."""
     from specjax.errors import SpecjaxError
     from specjax.policy.batch import BatchPolicy, parse_num_draft, parse_policy
+
     path = str(tmp_path / "out.jsonl.policy.json")
     calls = []
 
@@ -479,8 +522,15 @@ def test_batch_policy_state_file(tmp_path):
     assert p.plan(4, True, lambda: measure(cheap, 0.5)) == (True, cheap, 3) and len(calls) == 1
     assert p.plan(8, True, lambda: measure(dear, 1.02)) == (False, None, 3) and len(calls) == 2
     p.record(4, True, steps=100, verified_steps=25)
-    assert p.summary()["4/greedy"] == {"batches": 1, "num_draft": 3, "verify_cost": 1.6, "gain": 1.3,
-                                       "gains": {"3": 1.3}, "speculates": True, "verified_share": 0.25}
+    assert p.summary()["4/greedy"] == {
+        "batches": 1,
+        "num_draft": 3,
+        "verify_cost": 1.6,
+        "gain": 1.3,
+        "gains": {"3": 1.3},
+        "speculates": True,
+        "verified_share": 0.25,
+    }
     assert "1.60 plain steps" in p.describe(4, True) and "plain decoding" in p.describe(8, True)
     again = BatchPolicy("auto", (3,), "ngram", path)
     assert again.plan(4, True, lambda: measure(dear, 0.1)) == (True, cheap, 3) and len(calls) == 2
@@ -525,8 +575,18 @@ def test_tree_drafting_batch_job_equals_plain(batch_model, greedy_input, referen
     from specjax.batch.job import run_batch
 
     out = tmp_path / "res.jsonl"
-    run_batch(config(batch_model, greedy_input, out, drafter="ngram", num_draft=6, tree_topk=3, tree_depth=3,
-                     spec_policy="always"))
+    run_batch(
+        config(
+            batch_model,
+            greedy_input,
+            out,
+            drafter="ngram",
+            num_draft=6,
+            tree_topk=3,
+            tree_depth=3,
+            spec_policy="always",
+        )
+    )
     rows = read_rows(out)
     assert rows and all((r["stats"]["num_draft"], r["stats"]["tree"]) == (6, "3x3") for r in rows)
     assert_same(rows, reference, [r["id"] for r in rows])
@@ -539,8 +599,9 @@ def test_auto_tree_size_batch_job_equals_plain(batch_model, greedy_input, refere
     from specjax.batch.job import run_batch
 
     out = tmp_path / "res.jsonl"
-    summary = run_batch(config(batch_model, greedy_input, out, drafter="ngram", num_draft="auto:2,6", tree_topk=3,
-                               tree_depth=2))
+    summary = run_batch(
+        config(batch_model, greedy_input, out, drafter="ngram", num_draft="auto:2,6", tree_topk=3, tree_depth=2)
+    )
     classes = summary["speculation"]
     assert classes
     for entry in classes.values():

@@ -18,9 +18,21 @@ from helpers import batch_job_rows, read_rows, specjax_cli_cmd, write_jsonl
 # ---- CLI -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["missing", "directory", "no_input", "both_inputs", "merge_incomplete",
-                                  "half_process_flags", "bad_batch_size", "mesh_syntax", "mesh_too_big",
-                                  "bad_spec_policy"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing",
+        "directory",
+        "no_input",
+        "both_inputs",
+        "merge_incomplete",
+        "half_process_flags",
+        "bad_batch_size",
+        "mesh_syntax",
+        "mesh_too_big",
+        "bad_spec_policy",
+    ],
+)
 def test_cli_bad_input_one_line_exit_2(case, tmp_path, capsys):
     from specjax.cli import main
 
@@ -50,8 +62,11 @@ def test_cli_output_that_is_not_a_results_file_is_left_untouched(case, batch_mod
     from specjax.cli import main
 
     inp = write_jsonl(tmp_path / "in.jsonl", batch_job_rows()[:2])
-    out = {"pretty_json": str(tmp_path / "notes.json"), "input_rows": str(tmp_path / "rows.jsonl"),
-           "same_as_input": inp}[case]
+    out = {
+        "pretty_json": str(tmp_path / "notes.json"),
+        "input_rows": str(tmp_path / "rows.jsonl"),
+        "same_as_input": inp,
+    }[case]
     if case == "pretty_json":  # no trailing newline: the last line looks torn
         with open(out, "w") as fh:
             fh.write('{\n  "important": "data",\n  "x": 1\n}')
@@ -67,8 +82,13 @@ def test_cli_output_that_is_not_a_results_file_is_left_untouched(case, batch_mod
 def test_cli_unreadable_input_subprocess(cli_env, tmp_path):
     """The installed console script: one line on stderr, exit code 2, nothing written."""
     out = tmp_path / "out.jsonl"
-    proc = subprocess.run([*specjax_cli_cmd(), "batch", "--input", str(tmp_path / "missing.jsonl"),
-                           "--output", str(out)], env=cli_env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [*specjax_cli_cmd(), "batch", "--input", str(tmp_path / "missing.jsonl"), "--output", str(out)],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "missing.jsonl" in proc.stderr
     assert not out.exists()
@@ -105,8 +125,10 @@ def test_raw_rows_and_the_humaneval_raw_suite(batch_model, tmp_path):
             == encode_prompt(batch_model, str(r.prompt), raw=True)
             != encode_prompt(batch_model, str(r.prompt))
         )
-    bad = [(1, b'{"id": 1, "prompt": "x", "raw": "yes"}'), (2, b'{"id": 2, "messages": [{"role": "user", '
-                                                              b'"content": "x"}], "raw": true}')]
+    bad = [
+        (1, b'{"id": 1, "prompt": "x", "raw": "yes"}'),
+        (2, b'{"id": 2, "messages": [{"role": "user", "content": "x"}], "raw": true}'),
+    ]
     for r in parse_input(bad, SamplingParams(), {}):
         assert isinstance(r, BadRow) and "'raw'" in r.reason, r
 
@@ -119,8 +141,9 @@ def test_batches_are_padded_to_their_own_power_of_two():
     from specjax.runtime.engine import bucket_prompt
     from specjax.sampling import SamplingParams
 
-    rows = [JobRow(line=i + 1, id=i, prompt="", sampling=SamplingParams(), token_ids=[1] * (100 - i))
-            for i in range(75)]
+    rows = [
+        JobRow(line=i + 1, id=i, prompt="", sampling=SamplingParams(), token_ids=[1] * (100 - i)) for i in range(75)
+    ]
     plan = plan_batches(rows, batch_size=32)
     assert [(len(b), size) for b, size in plan] == [(32, 32), (32, 32), (11, 16)]
     assert [r.line for r in plan[-1][0]] == list(range(11, 0, -1))  # sorted by length: longest last
@@ -146,8 +169,22 @@ def test_a_job_never_writes_its_own_input(suffix, batch_model_dir, tmp_path, cap
     out = str(tmp_path / "x")
     inp = write_jsonl(out + suffix, batch_job_rows()[:3])
     before = snapshot(tmp_path)
-    rc = main(["batch", "--input", inp, "--output", out, "--model", batch_model_dir, "--max-new-tokens", "2",
-               "--drafter", "ngram", "--no-progress"])
+    rc = main(
+        [
+            "batch",
+            "--input",
+            inp,
+            "--output",
+            out,
+            "--model",
+            batch_model_dir,
+            "--max-new-tokens",
+            "2",
+            "--drafter",
+            "ngram",
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "which is the input file" in err, err
     assert snapshot(tmp_path) == before
@@ -174,13 +211,28 @@ def test_refused_output_leaves_every_file_as_it_was(existing, batch_model_dir, t
 
     inp = write_jsonl(tmp_path / "in.jsonl", batch_job_rows()[:2])
     out = str(tmp_path / "precious.txt")
-    target = {"output": out, "job": out + ".job.json", "errors": out + ".errors.jsonl",
-              "policy": out + ".policy.json"}[existing]
+    target = {"output": out, "job": out + ".job.json", "errors": out + ".errors.jsonl", "policy": out + ".policy.json"}[
+        existing
+    ]
     with open(target, "w") as fh:
         fh.write("my notes, not a batch file\n")
     before = snapshot(tmp_path)
-    rc = main(["batch", "--input", inp, "--output", out, "--model", batch_model_dir, "--max-new-tokens", "2",
-               "--drafter", "ngram", "--no-progress"])
+    rc = main(
+        [
+            "batch",
+            "--input",
+            inp,
+            "--output",
+            out,
+            "--model",
+            batch_model_dir,
+            "--max-new-tokens",
+            "2",
+            "--drafter",
+            "ngram",
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and err.startswith("specjax: error:"), err
     assert snapshot(tmp_path) == before
@@ -214,9 +266,12 @@ def test_rows_nested_too_deeply_or_with_huge_numbers_are_bad_rows():
     from specjax.sampling import SamplingParams
 
     d = SamplingParams()
-    cases = {b"[" * 100_000: "nested too deeply", b'{"id": 1' + b"0" * 5000 + b', "prompt": "x"}': "invalid JSON",
-             b'{"id": "a", "prompt": "x", "temperature": ' + b"[" * 500 + b"]" * 500 + b"}": "temperature",
-             b'{"id": ' + b"[" * 500 + b"]" * 500 + b', "prompt": "x"}': "invalid id"}
+    cases = {
+        b"[" * 100_000: "nested too deeply",
+        b'{"id": 1' + b"0" * 5000 + b', "prompt": "x"}': "invalid JSON",
+        b'{"id": "a", "prompt": "x", "temperature": ' + b"[" * 500 + b"]" * 500 + b"}": "temperature",
+        b'{"id": ' + b"[" * 500 + b"]" * 500 + b', "prompt": "x"}': "invalid id",
+    }
     for raw, needle in cases.items():
         r = parse_row(1, raw, d)
         assert isinstance(r, BadRow) and needle in r.reason and len(r.reason) < 200, (raw[:40], r)

@@ -17,19 +17,36 @@ from specjax.errors import SpecjaxError
 
 def row(suite, b, drafter, k, tps, temp=0.0, **kw):
     label = "plain" if drafter == "none" else report.short_label(drafter)
-    return {"suite": suite, "temperature": temp, "batch_size": b, "drafter": drafter, "label": label,
-            "num_draft": k, "tokens_per_second": tps, **kw}
+    return {
+        "suite": suite,
+        "temperature": temp,
+        "batch_size": b,
+        "drafter": drafter,
+        "label": label,
+        "num_draft": k,
+        "tokens_per_second": tps,
+        **kw,
+    }
 
 
 # Fixed fake timings: suite "code" pays at B=1, 4 and loses at 16; suite "chat" always loses.
 TABLE = [
-    row("code", 1, "none", 0, 20.0), row("code", 1, "ngram", 3, 30.0), row("code", 1, "draft:/x/small", 3, 36.0),
-    row("code", 4, "none", 0, 60.0), row("code", 4, "ngram", 3, 66.0), row("code", 4, "draft:/x/small", 3, 54.0),
-    row("code", 16, "none", 0, 160.0), row("code", 16, "ngram", 3, 150.0), row("code", 16, "draft:/x/small", 3, 80.0),
-    row("chat", 1, "none", 0, 20.0), row("chat", 1, "ngram", 3, 19.0),
-    row("chat", 4, "none", 0, 60.0), row("chat", 4, "ngram", 3, 60.0),
+    row("code", 1, "none", 0, 20.0),
+    row("code", 1, "ngram", 3, 30.0),
+    row("code", 1, "draft:/x/small", 3, 36.0),
+    row("code", 4, "none", 0, 60.0),
+    row("code", 4, "ngram", 3, 66.0),
+    row("code", 4, "draft:/x/small", 3, 54.0),
+    row("code", 16, "none", 0, 160.0),
+    row("code", 16, "ngram", 3, 150.0),
+    row("code", 16, "draft:/x/small", 3, 80.0),
+    row("chat", 1, "none", 0, 20.0),
+    row("chat", 1, "ngram", 3, 19.0),
+    row("chat", 4, "none", 0, 60.0),
+    row("chat", 4, "ngram", 3, 60.0),
     # another temperature: its own plain baseline, never code T=0's
-    row("code", 1, "none", 0, 10.0, temp=0.7), row("code", 1, "ngram", 3, 15.0, temp=0.7),
+    row("code", 1, "none", 0, 10.0, temp=0.7),
+    row("code", 1, "ngram", 3, 15.0, temp=0.7),
 ]
 
 
@@ -44,8 +61,9 @@ def test_speedup_is_ratio_to_plain_at_same_batch_and_settings():
     assert got[("chat", 0.0, 1, "ngram")] == pytest.approx(0.95)
     assert all(got[k] == 1.0 for k in got if k[3] == "none")
     # peers are compared with their own plain decoding, not specjax's
-    hf = report.add_speedups([dict(row("code", 1, "none", 0, 8.0), peer="hf"),
-                              dict(row("code", 1, "prompt_lookup", 3, 12.0), peer="hf")])
+    hf = report.add_speedups(
+        [dict(row("code", 1, "none", 0, 8.0), peer="hf"), dict(row("code", 1, "prompt_lookup", 3, 12.0), peer="hf")]
+    )
     assert hf[1]["speedup"] == pytest.approx(1.5)
 
 
@@ -53,7 +71,10 @@ def test_recommendation_per_suite():
     recs = {(r["suite"], r["temperature"]): r for r in report.recommend(report.add_speedups([dict(r) for r in TABLE]))}
     code = recs[("code", 0.0)]
     assert [(e["batch_size"], e["drafter"], e["num_draft"]) for e in code["by_batch"]] == [
-        (1, "draft:/x/small", 3), (4, "ngram", 3), (16, "none", 0)]
+        (1, "draft:/x/small", 3),
+        (4, "ngram", 3),
+        (16, "none", 0),
+    ]
     assert code["plain_wins_from"] == 16 and code["plain_wins_at"] == [16]
     assert "B=1: draft:small K=3 (1.80x)" in code["text"] and "plain decoding wins from B=16" in code["text"]
     chat = recs[("chat", 0.0)]
@@ -63,8 +84,16 @@ def test_recommendation_per_suite():
     # one batch size measured: the line says so instead of "every measured batch size"
     assert recs[("code", 0.7)]["text"].endswith("speculation pays at B=1 (the only batch size measured)")
     # plain wins at a small batch but not at the largest: no "from", say where
-    mixed = report.recommend(report.add_speedups([row("s", 1, "none", 0, 10.0), row("s", 1, "ngram", 3, 9.0),
-                                                  row("s", 2, "none", 0, 10.0), row("s", 2, "ngram", 3, 12.0)]))[0]
+    mixed = report.recommend(
+        report.add_speedups(
+            [
+                row("s", 1, "none", 0, 10.0),
+                row("s", 1, "ngram", 3, 9.0),
+                row("s", 2, "none", 0, 10.0),
+                row("s", 2, "ngram", 3, 12.0),
+            ]
+        )
+    )[0]
     assert mixed["plain_wins_from"] is None and mixed["text"].endswith(
         "plain decoding wins at B=1 only; measured at B=1, 2"
     )
@@ -72,8 +101,9 @@ def test_recommendation_per_suite():
 
 def test_peer_comparison_ratio():
     rows = report.add_speedups([dict(r) for r in TABLE])
-    hf = report.add_speedups([dict(row("code", 1, "none", 0, 9.0), peer="hf"),
-                              dict(row("code", 1, "prompt_lookup", 3, 12.0), peer="hf")])
+    hf = report.add_speedups(
+        [dict(row("code", 1, "none", 0, 9.0), peer="hf"), dict(row("code", 1, "prompt_lookup", 3, 12.0), peer="hf")]
+    )
     (c,) = report.compare_peers(rows, hf)
     assert c["ratio"] == pytest.approx(36.0 / 12.0)
     assert c["specjax_best"]["label"] == "draft:small K=3" and c["peer_best"]["label"] == "prompt_lookup K=3"
@@ -94,9 +124,29 @@ def tiny_bench(tiny_tok_dir, tmp_path_factory):
     prompts = d / "p.jsonl"
     prompts.write_text('{"prompt": "Say hello twice: hello hello"}\n{"prompt": "Count: 1 2 3 4"}\n')
     out = d / "run.json"
-    rc = main(["bench", "--prompts", str(prompts), "--model", tiny_tok_dir, "--drafters", f"draft:{tiny_tok_dir}",
-               "--num-draft", "2", "--batch-sizes", "1,2", "--max-new-tokens", "4", "--repeats", "1",
-               "--peers", "hf,llamacpp", "--json-out", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--prompts",
+            str(prompts),
+            "--model",
+            tiny_tok_dir,
+            "--drafters",
+            f"draft:{tiny_tok_dir}",
+            "--num-draft",
+            "2",
+            "--batch-sizes",
+            "1,2",
+            "--max-new-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--peers",
+            "hf,llamacpp",
+            "--json-out",
+            str(out),
+        ]
+    )
     assert rc == 0
     return json.loads(out.read_text())
 
@@ -106,7 +156,8 @@ def test_tiny_bench_json_fields_are_documented(tiny_bench):
     doc = documented_names(report.__doc__)
     assert set(rep) <= doc, set(rep) - doc
     assert {(r["batch_size"], r["label"], r["num_draft"]) for r in rep["results"]} == {
-        (b, lab, k) for b in (1, 2) for lab, k in (("plain", 0), ("draft:" + rep["model"], 2))}
+        (b, lab, k) for b in (1, 2) for lab, k in (("plain", 0), ("draft:" + rep["model"], 2))
+    }
     for r in rep["results"]:
         assert set(r) <= doc, set(r) - doc
         assert r["tokens_per_second"] > 0 and r["peak_memory_mb"] > 0 and r["warmup_seconds"] > 0
@@ -155,9 +206,32 @@ def test_bench_measures_each_spec_policy(tiny_tok_dir, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Say hello twice: hello hello"}\n{"prompt": "Count: 1 2 3 4"}\n')
     out = tmp_path / "run.json"
-    assert main(["bench", "--prompts", str(prompts), "--model", tiny_tok_dir, "--drafters", "ngram",
-                 "--num-draft", "2", "--max-new-tokens", "6", "--repeats", "1", "--spec-policy", "always,auto",
-                 "--json-out", str(out), "--plots-dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--prompts",
+                str(prompts),
+                "--model",
+                tiny_tok_dir,
+                "--drafters",
+                "ngram",
+                "--num-draft",
+                "2",
+                "--max-new-tokens",
+                "6",
+                "--repeats",
+                "1",
+                "--spec-policy",
+                "always,auto",
+                "--json-out",
+                str(out),
+                "--plots-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     rep = json.loads(out.read_text())
     doc = documented_names(report.__doc__)
     assert rep["spec_policies"] == ["always", "auto"] and set(rep) <= doc
@@ -210,14 +284,17 @@ def test_gated_eagle3_spec_passes_the_name_check():
     check_drafter_names(["eagle3@0", "eagle3:some/dir@0.5", "ngram"])
 
 
-@pytest.mark.parametrize("args, message", [
-    (["nosuchsuite"], "unknown suite 'nosuchsuite'"),
-    (["humaneval", "--drafters", "ngram,nosuchdrafter"], "unknown drafter 'nosuchdrafter' (known: none, ngram"),
-    (["humaneval", "--peers", "hf,vllm"], "unknown peer 'vllm'"),
-    (["humaneval", "--limit", "0"], "--limit must be >= 1"),
-    (["humaneval", "--spec-policy", "sometimes"], "--spec-policy takes a comma-separated subset of always, auto"),
-    (["plain", "--json-out", "/"], "is a directory"),  # refused before measuring, not after
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["nosuchsuite"], "unknown suite 'nosuchsuite'"),
+        (["humaneval", "--drafters", "ngram,nosuchdrafter"], "unknown drafter 'nosuchdrafter' (known: none, ngram"),
+        (["humaneval", "--peers", "hf,vllm"], "unknown peer 'vllm'"),
+        (["humaneval", "--limit", "0"], "--limit must be >= 1"),
+        (["humaneval", "--spec-policy", "sometimes"], "--spec-policy takes a comma-separated subset of always, auto"),
+        (["plain", "--json-out", "/"], "is a directory"),  # refused before measuring, not after
+    ],
+)
 def test_bad_bench_input_is_one_line_exit_2(args, message):
     p = subprocess.run(specjax_cli_cmd() + ["bench", *args], capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 2, p.stderr
@@ -230,11 +307,17 @@ def test_cpu_smoke_preset_writes_json(tmp_path):
     from specjax.cli import main
 
     mal = tmp_path / "cpu_bench.json"  # a (fake) CPU bench report to take MALs from
-    mal.write_text(json.dumps({"results": [
-        row("code", 1, "none", 0, 10.0, mean_accepted_length=1.0),
-        row("code", 1, "ngram", 1, 12.0, mean_accepted_length=1.5),
-        row("chat", 1, "ngram", 1, 12.0, mean_accepted_length=1.7),
-    ]}))
+    mal.write_text(
+        json.dumps(
+            {
+                "results": [
+                    row("code", 1, "none", 0, 10.0, mean_accepted_length=1.0),
+                    row("code", 1, "ngram", 1, 12.0, mean_accepted_length=1.5),
+                    row("chat", 1, "ngram", 1, 12.0, mean_accepted_length=1.7),
+                ]
+            }
+        )
+    )
     out = tmp_path / "smoke.json"
     assert main(["bench", "--preset", "cpu-smoke", "--mal-from", str(mal), "--json-out", str(out)]) == 0
     rep = json.loads(out.read_text())

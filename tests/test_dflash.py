@@ -34,8 +34,17 @@ MASK = V - 1
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=64,
+        num_hidden_layers=L,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     out = str(tmp_path_factory.mktemp("qwen3_target"))
     Qwen3ForCausalLM(cfg).eval().save_pretrained(out)
     return out
@@ -49,8 +58,16 @@ def target(target_dir):
 def reference_drafter(seed: int = 0, layers: int = 2, **extra) -> DFlashDraftModel:
     """A random z-lab DFlash drafter for the tiny target, with non-trivial norm scales."""
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6)
+    cfg = Qwen3Config(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+    )
     cfg.block_size, cfg.num_target_layers = BLOCK, L
     cfg.dflash_config = {"mask_token_id": MASK, "target_layer_ids": LAYER_IDS, **extra}
     cfg.architectures = ["DFlashDraftModel"]
@@ -83,8 +100,17 @@ def specjax_state(drafter, dparams, hidden_states: list[np.ndarray], tokens: np.
     t = len(tokens)
     prompt = jnp.asarray(tokens, jnp.int32)[None]
     history = jnp.concatenate([prompt, jnp.asarray([[last]], jnp.int32)], axis=1)
-    ctx = InitContext(prompt, jnp.asarray([t], jnp.int32), history, jnp.asarray([t + 1], jnp.int32),
-                      SamplingArrays.from_params([SamplingParams()]), feats, None, cache_size=32, all_greedy=True)
+    ctx = InitContext(
+        prompt,
+        jnp.asarray([t], jnp.int32),
+        history,
+        jnp.asarray([t + 1], jnp.int32),
+        SamplingArrays.from_params([SamplingParams()]),
+        feats,
+        None,
+        cache_size=32,
+        all_greedy=True,
+    )
     return drafter.init(dparams, ctx), history
 
 
@@ -105,8 +131,17 @@ def test_zlab_checkpoint_gives_the_references_block_logits(target_dir, target, t
 
 
 def test_export_to_zlab_loads_back_in_the_reference(target_dir, target, tmp_path):
-    lc = LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=40, num_layers=2, num_heads=4, num_kv_heads=2,
-                     head_dim=8, rms_norm_eps=1e-6, qk_norm=True)
+    lc = LlamaConfig(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=40,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        qk_norm=True,
+    )
     cfg = dflash.DFlashConfig(lc, tuple(LAYER_IDS), L, BLOCK, MASK)
     w = dflash.init_weights(cfg, seed=3)
     ours = str(tmp_path / "ours")
@@ -140,16 +175,31 @@ def test_commit_keeps_the_context_of_the_accepted_text(target_dir, target, tmp_p
 
     def init(t):
         hist = seq[:, : t + 1]
-        ctx = InitContext(seq[:, :t], jnp.asarray([t]), hist, jnp.asarray([t + 1]),
-                          SamplingArrays.from_params([SamplingParams()]), feats(t), None, cache_size=32,
-                          all_greedy=True)
+        ctx = InitContext(
+            seq[:, :t],
+            jnp.asarray([t]),
+            hist,
+            jnp.asarray([t + 1]),
+            SamplingArrays.from_params([SamplingParams()]),
+            feats(t),
+            None,
+            cache_size=32,
+            all_greedy=True,
+        )
         return drafter.init(dparams, ctx)
 
     full = feats(p + kp1)
     for j in range(kp1):  # j drafts accepted: positions p .. p + j committed
         st = init(p)
-        ctx = CommitContext(jnp.asarray([j]), seq[:, p + 1 : p + 1 + kp1], seq[:, : p + j + 2],
-                            jnp.asarray([p + j + 2]), jnp.asarray([True]), full[:, :, p : p + kp1], None)
+        ctx = CommitContext(
+            jnp.asarray([j]),
+            seq[:, p + 1 : p + 1 + kp1],
+            seq[:, : p + j + 2],
+            jnp.asarray([p + j + 2]),
+            jnp.asarray([True]),
+            full[:, :, p : p + kp1],
+            None,
+        )
         st = drafter.commit(dparams, st, ctx)
         fresh = init(p + j + 1)
         n = p + j + 1
@@ -157,8 +207,13 @@ def test_commit_keeps_the_context_of_the_accepted_text(target_dir, target, tmp_p
         for a, b in zip(st.cache.k + st.cache.v, fresh.cache.k + fresh.cache.v, strict=True):
             assert rel_err(np.asarray(a)[:, :n], np.asarray(b)[:, :n]) < 1e-5
         hist, hl = seq[:, : n + 1], jnp.asarray([n + 1])
-        assert rel_err(np.asarray(drafter.block_logits(dparams, st, hist, hl)),
-                       np.asarray(drafter.block_logits(dparams, fresh, hist, hl))) < 1e-5
+        assert (
+            rel_err(
+                np.asarray(drafter.block_logits(dparams, st, hist, hl)),
+                np.asarray(drafter.block_logits(dparams, fresh, hist, hl)),
+            )
+            < 1e-5
+        )
 
 
 def test_greedy_dflash_equals_plain_on_a_qwen3_target(target, tmp_path):
@@ -174,8 +229,17 @@ def test_greedy_dflash_equals_plain_on_a_qwen3_target(target, tmp_path):
 
 def test_greedy_dflash_equals_plain_on_the_default_model(default_model, tmp_path):
     """A random DFlash drafter for SmolLM2-135M (the shipped one's shape, untrained)."""
-    lc = LlamaConfig(vocab_size=default_model.config.vocab_size, hidden_size=576, intermediate_size=1536, num_layers=1,
-                     num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, qk_norm=True)
+    lc = LlamaConfig(
+        vocab_size=default_model.config.vocab_size,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=1,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+        qk_norm=True,
+    )
     cfg = dflash.DFlashConfig(lc, dflash.default_target_layers(30, 1), 30, 8, 0)
     dflash.save(dflash.init_weights(cfg, seed=0), str(tmp_path))
     engine = Engine(default_model)
@@ -202,16 +266,19 @@ def _corrupt(src: str, out: str, config=None) -> str:
     return out
 
 
-@pytest.mark.parametrize("case, message", [
-    (lambda r: r.update(architectures=["DFlash2DraftModel"]), "DFlash2"),
-    (lambda r: r["dflash_config"].pop("mask_token_id"), "no mask_token_id"),
-    (lambda r: r["dflash_config"].update(mask_token_id=V + 3), "outside the vocabulary"),
-    (lambda r: r.update(hidden_size=48), "shape"),
-    (lambda r: r.update(num_target_layers=L + 2), "layer count"),
-    (lambda r: r["dflash_config"].update(target_layer_ids=[1, L]), "reads target layer"),
-    (lambda r: r.update(block_size=1), "block_size"),
-    (lambda r: r.update(is_causal=True), "causal"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        (lambda r: r.update(architectures=["DFlash2DraftModel"]), "DFlash2"),
+        (lambda r: r["dflash_config"].pop("mask_token_id"), "no mask_token_id"),
+        (lambda r: r["dflash_config"].update(mask_token_id=V + 3), "outside the vocabulary"),
+        (lambda r: r.update(hidden_size=48), "shape"),
+        (lambda r: r.update(num_target_layers=L + 2), "layer count"),
+        (lambda r: r["dflash_config"].update(target_layer_ids=[1, L]), "reads target layer"),
+        (lambda r: r.update(block_size=1), "block_size"),
+        (lambda r: r.update(is_causal=True), "causal"),
+    ],
+)
 def test_bad_zlab_checkpoints_are_one_line_errors(case, message, target, tmp_path):
     reference_drafter(seed=4).save_pretrained(str(tmp_path / "src"))
     bad = _corrupt(str(tmp_path / "src"), str(tmp_path / "bad"), case)

@@ -62,8 +62,9 @@ def test_export_holds_only_the_drafts_own_tensors_and_loads(sharp_target, traine
     np.testing.assert_array_equal(np.asarray(got["embed"][...]), np.asarray(sharp_target.params["embed"][...]))
     np.testing.assert_array_equal(np.asarray(got["lm_head"][...]), np.asarray(sharp_target.params["lm_head"][...]))
     want = jax.tree.map(lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32), params)
-    np.testing.assert_array_equal(np.asarray(got["layers"][1]["mlp"]["down"][...]),
-                                  np.asarray(want["layers"][1]["mlp"]["down"][...]))
+    np.testing.assert_array_equal(
+        np.asarray(got["layers"][1]["mlp"]["down"][...]), np.asarray(want["layers"][1]["mlp"]["down"][...])
+    )
     np.testing.assert_array_equal(np.asarray(got["norm"]["scale"][...]), np.asarray(want["norm"]["scale"][...]))
 
 
@@ -125,8 +126,9 @@ def test_chunked_soft_ce_equals_the_plain_formula(positions):
 
     chunked = lambda dr: chunked_soft_ce(dr, sharp_target, head, valid, 4, positions)[0]
     np.testing.assert_allclose(chunked(draft), plain(draft), rtol=1e-5)
-    np.testing.assert_allclose(jax.grad(lambda dr: w @ chunked(dr))(draft), jax.grad(lambda dr: w @ plain(dr))(draft),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        jax.grad(lambda dr: w @ chunked(dr))(draft), jax.grad(lambda dr: w @ plain(dr))(draft), atol=1e-5
+    )
 
 
 def test_recipes_build_their_tasks(sharp_target):
@@ -178,33 +180,43 @@ def test_draft_vocabulary_is_exported_forecast_and_lossless(sharp_target, sharp_
     from specjax.drafters.base import vocab_maps
 
     _, params, _, _ = trained
-    task = DraftDistillTask(sharp_target, sharp_store.counts, num_layers=2, eval_k=3, loss_chunk=16,
-                            draft_vocab_size=48)
+    task = DraftDistillTask(
+        sharp_target, sharp_store.counts, num_layers=2, eval_k=3, loss_chunk=16, draft_vocab_size=48
+    )
     np.testing.assert_array_equal(np.asarray(task.d2t), vocab_maps(sharp_store.counts, 48)[0])
     path = task.export(params, str(tmp_path / "d"), None, {"note": "test"})  # f32: the engine runs these params
     assert os.path.isfile(os.path.join(path, checkpoint.VOCAB_FILE))
     d = make_drafter(f"draft:{path}", 3, sharp_target)
     np.testing.assert_array_equal(np.asarray(d.d2t), np.asarray(task.d2t))
     sim = task.evaluate(params, sharp_store)
-    rows = Engine(sharp_target).generate([ids[:p] for ids, p in sharp_seqs],
-                                         [SamplingParams(max_new_tokens=len(ids) - p) for ids, p in sharp_seqs],
-                                         drafter=d)
+    rows = Engine(sharp_target).generate(
+        [ids[:p] for ids, p in sharp_seqs],
+        [SamplingParams(max_new_tokens=len(ids) - p) for ids, p in sharp_seqs],
+        drafter=d,
+    )
     assert [r.token_ids for r in rows] == [ids[p:] for ids, p in sharp_seqs]  # = plain greedy
     engine_mal = sum(len(r.token_ids) - 1 for r in rows) / sum(r.steps for r in rows)
     full = DraftDistillTask(sharp_target, num_layers=2, eval_k=3, loss_chunk=16).evaluate(params, sharp_store)
-    rows_full = Engine(sharp_target).generate([ids[:p] for ids, p in sharp_seqs],
-                                              [SamplingParams(max_new_tokens=len(ids) - p) for ids, p in sharp_seqs],
-                                              drafter=DraftModelDrafter(3, d.model, sharp_target.config))
+    rows_full = Engine(sharp_target).generate(
+        [ids[:p] for ids, p in sharp_seqs],
+        [SamplingParams(max_new_tokens=len(ids) - p) for ids, p in sharp_seqs],
+        drafter=DraftModelDrafter(3, d.model, sharp_target.config),
+    )
     full_mal = sum(len(r.token_ids) - 1 for r in rows_full) / sum(r.steps for r in rows_full)
     # 26-token replies: the engine's last step of each reply is cut by max_new_tokens, which the
     # simulator does not model (~0.1 here, 0.01 on long replies); the same for both drafters
     assert engine_mal > 1.1 and abs((sim["path_mal"] - engine_mal) - (full["path_mal"] - full_mal)) < 0.03, (
-        sim["path_mal"], engine_mal, full["path_mal"], full_mal)
+        sim["path_mal"],
+        engine_mal,
+        full["path_mal"],
+        full_mal,
+    )
     assert abs(sim["path_mal"] - full["path_mal"]) > 0.05  # the restriction is what was simulated
 
 
-@pytest.mark.parametrize("d2t, message", [(np.array([5, 3, 9]), "ascending unique"),
-                                          (np.array([1, 2, 256]), "below 256")])
+@pytest.mark.parametrize(
+    "d2t, message", [(np.array([5, 3, 9]), "ascending unique"), (np.array([1, 2, 256]), "below 256")]
+)
 def test_bad_draft_vocabulary_is_one_line(sharp_target, exported, tmp_path, d2t, message):
     import shutil
 

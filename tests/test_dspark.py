@@ -32,16 +32,32 @@ RANK = 12
 def speculators_dspark(target_dir, draft_vocab: int = V, seed: int = 0, **flags) -> DSparkDraftModel:  # noqa: F811
     """A random speculators DSpark drafter for the tiny target (eager attention, CPU)."""
     torch.manual_seed(seed)
-    layer = Qwen3Config(vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6)
+    layer = Qwen3Config(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+    )
     layer._attn_implementation = "eager"
     cfg = DSparkSpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=draft_vocab, block_size=BLOCK, mask_token_id=MASK,
-        aux_hidden_state_layer_ids=[i + 1 for i in LAYER_IDS], markov_rank=RANK,
+        transformer_layer_config=layer,
+        draft_vocab_size=draft_vocab,
+        block_size=BLOCK,
+        mask_token_id=MASK,
+        aux_hidden_state_layer_ids=[i + 1 for i in LAYER_IDS],
+        markov_rank=RANK,
         speculators_config=SpeculatorsConfig(
-            algorithm="dspark", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=BLOCK)],
-            default_proposal_method="greedy", verifier=VerifierConfig.from_pretrained(target_dir)),
-        **flags)
+            algorithm="dspark",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=BLOCK)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig.from_pretrained(target_dir),
+        ),
+        **flags,
+    )
     model = DSparkDraftModel(cfg)
     if draft_vocab < V:
         ids = torch.from_numpy(np.sort(np.random.RandomState(seed).choice(V, draft_vocab, replace=False)))
@@ -60,9 +76,21 @@ def speculators_dspark(target_dir, draft_vocab: int = V, seed: int = 0, **flags)
 def zlab_backbone(model: DSparkDraftModel) -> ZlabDFlash:
     """z-lab's DFlash network holding the DSpark backbone's weights."""
     tl = model.config.transformer_layer_config
-    cfg = Qwen3Config(**{k: getattr(tl, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                                       "num_hidden_layers", "num_attention_heads",
-                                                       "num_key_value_heads", "head_dim", "rms_norm_eps")})
+    cfg = Qwen3Config(
+        **{
+            k: getattr(tl, k)
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "rms_norm_eps",
+            )
+        }
+    )
     cfg.block_size, cfg.num_target_layers = BLOCK, L
     cfg.dflash_config = {"mask_token_id": MASK, "target_layer_ids": LAYER_IDS}
     ref = ZlabDFlash(cfg).eval()
@@ -90,12 +118,22 @@ def test_speculators_checkpoint_matches_the_references(target_dir, target, tmp_p
     feats = torch.cat([out.hidden_states[i + 1] for i in LAYER_IDS], dim=-1)
     block = torch.as_tensor([[last] + [MASK] * (BLOCK - 1)])
     with torch.no_grad():
-        h_ref = zlab_backbone(model)(target_hidden=feats, noise_embedding=hf.get_input_embeddings()(block),
-                                     position_ids=torch.arange(len(tokens) + BLOCK)[None])  # [1, K, D]
+        h_ref = zlab_backbone(model)(
+            target_hidden=feats,
+            noise_embedding=hf.get_input_embeddings()(block),
+            position_ids=torch.arange(len(tokens) + BLOCK)[None],
+        )  # [1, K, D]
     assert rel_err(np.asarray(h), h_ref.numpy()) < 1e-5
     # the heads along the greedy chain: slot j's bias reads the token before it
-    ctx = StepContext(history, hist_len, SamplingArrays.from_params([SamplingParams()]),
-                      jnp.zeros((1,), jnp.uint32), True, jnp.asarray([True]), False)
+    ctx = StepContext(
+        history,
+        hist_len,
+        SamplingArrays.from_params([SamplingParams()]),
+        jnp.zeros((1,), jnp.uint32),
+        True,
+        jnp.asarray([True]),
+        False,
+    )
     draft, q, conf = drafter.draft_chain(dparams, h, jnp.asarray([last]), ctx)
     assert q is None
     prev = torch.as_tensor(np.concatenate([[last], np.asarray(draft)[0, :-1]]))[None]  # [1, K]
@@ -109,8 +147,10 @@ def test_speculators_checkpoint_matches_the_references(target_dir, target, tmp_p
     assert np.asarray(draft)[0].tolist() == ids[logits[0].argmax(-1).numpy()].tolist()
     assert rel_err(np.asarray(conf), conf_ref.numpy()) < 1e-5
     net = drafter._net(dparams)
-    ours = np.asarray(net.logits(net.head[...] if draft_vocab < V else dparams["head"], h)
-                      + net.markov_bias(net.prev_embed(jnp.asarray(prev.numpy()))))
+    ours = np.asarray(
+        net.logits(net.head[...] if draft_vocab < V else dparams["head"], h)
+        + net.markov_bias(net.prev_embed(jnp.asarray(prev.numpy())))
+    )
     assert rel_err(ours, logits.numpy()) < 1e-5
 
 
@@ -133,10 +173,12 @@ def test_bad_dspark_checkpoints_are_one_line(target_dir, target, tmp_path):  # n
     with pytest.raises(DrafterError, match="drafts chains only"):
         make_drafter(f"dspark:{src}", 4, target, tree_topk=2, tree_depth=2)
     raw = json.loads((src / "config.json").read_text())
-    for change, match in [({"markov_head_type": "rnn"}, "vanilla only"),
-                          ({"sample_from_anchor": False}, "load it as dflash"),
-                          ({"aux_hidden_state_layer_ids": [0, 2]}, "embedding output"),
-                          ({"markov_rank": RANK + 1}, "markov_w1")]:
+    for change, match in [
+        ({"markov_head_type": "rnn"}, "vanilla only"),
+        ({"sample_from_anchor": False}, "load it as dflash"),
+        ({"aux_hidden_state_layer_ids": [0, 2]}, "embedding output"),
+        ({"markov_rank": RANK + 1}, "markov_w1"),
+    ]:
         (src / "config.json").write_text(json.dumps({**raw, **change}))
         with pytest.raises(DrafterError, match=match):
             make_drafter(f"dspark:{src}", 0, target)
@@ -146,10 +188,14 @@ def test_schedule_stops_at_the_first_length_that_does_not_pay():
     from specjax.drafters.dspark import DSparkDrafter
 
     costs = jnp.asarray([1.0, 1.2, 1.5, 1.8])
-    conf = jnp.asarray([[0.9, 0.9, 0.9],  # E = 1, 1.9, 2.71, 3.44: rates 1, 1.58, 1.81, 1.91 -> 3
-                        [0.9, 0.2, 0.99],  # rates 1, 1.58, 1.24 -> stop at 1 (the 3rd would pay again)
-                        [0.1, 0.99, 0.99],  # 1.1 / 1.2 < 1 -> 0
-                        [1.0, 1.0, 0.0]])  # 1, 1.67, 2, 1.67 -> 2
+    conf = jnp.asarray(
+        [
+            [0.9, 0.9, 0.9],  # E = 1, 1.9, 2.71, 3.44: rates 1, 1.58, 1.81, 1.91 -> 3
+            [0.9, 0.2, 0.99],  # rates 1, 1.58, 1.24 -> stop at 1 (the 3rd would pay again)
+            [0.1, 0.99, 0.99],  # 1.1 / 1.2 < 1 -> 0
+            [1.0, 1.0, 0.0],
+        ]
+    )  # 1, 1.67, 2, 1.67 -> 2
     assert DSparkDrafter.schedule(conf, costs).tolist() == [3, 1, 0, 2]
 
 
@@ -179,8 +225,16 @@ def test_greedy_dspark_with_scheduled_lengths_equals_plain(target_dir, target, t
     lengths = []
     for step_cost in (0.0, 0.01, 0.3, 2.0):
         table = jnp.asarray(1.0 + step_cost * np.arange(BLOCK + 1), jnp.float32)
-        ctx = StepContext(history, jnp.asarray([len(tokens) + 1]), samp, jnp.zeros((1,), jnp.uint32), True,
-                          jnp.asarray([True]), False, table)
+        ctx = StepContext(
+            history,
+            jnp.asarray([len(tokens) + 1]),
+            samp,
+            jnp.zeros((1,), jnp.uint32),
+            True,
+            jnp.asarray([True]),
+            False,
+            table,
+        )
         proposal, _ = drafter.propose(dparams, st, ctx)
         assert bool(proposal.active[0]) == (int(proposal.length[0]) > 0)
         lengths.append(int(proposal.length[0]))

@@ -142,8 +142,10 @@ def test_gated_proposal_drafts_past_the_first_token_only_when_a_verify_will_run(
     from specjax.drafters.eagle3 import Eagle3State
 
     b, k = 2, 4
-    st = Eagle3State(weights.module().new_cache(b, 32).with_lengths(jnp.array([5, 7])),
-                     jnp.asarray(np.random.RandomState(5).randn(b, target.config.hidden_size), jnp.float32))
+    st = Eagle3State(
+        weights.module().new_cache(b, 32).with_lengths(jnp.array([5, 7])),
+        jnp.asarray(np.random.RandomState(5).randn(b, target.config.hidden_size), jnp.float32),
+    )
     hist, seeds = jnp.zeros((b, 32), jnp.int32), jnp.zeros((b,), jnp.uint32)
 
     def propose(gate, live, force=False):

@@ -34,8 +34,16 @@ AUX_IDS = [1, 3, 5]  # speculators ids: HF hidden_states indices = outputs of la
 @pytest.fixture(scope="module")
 def hf_target_dir(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = HFLlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=L,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6)
+    cfg = HFLlamaConfig(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=64,
+        num_hidden_layers=L,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+    )
     out = str(tmp_path_factory.mktemp("hf_target"))
     LlamaForCausalLM(cfg).eval().save_pretrained(out)
     return out
@@ -49,16 +57,30 @@ def target(hf_target_dir):
 def reference_drafter(target_dir: str, qwen3: bool = False, seed: int = 0, **flags) -> Eagle3DraftModel:
     """A random `speculators` EAGLE-3 drafter (eager attention so it runs on CPU), N < V with a map."""
     torch.manual_seed(seed)
-    kw = dict(vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6)
+    kw = dict(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+    )
     layer = Qwen3Config(**kw) if qwen3 else HFLlamaConfig(**kw)
     layer._attn_implementation = "eager"
     cfg = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=N, eagle_aux_hidden_state_layer_ids=AUX_IDS,
+        transformer_layer_config=layer,
+        draft_vocab_size=N,
+        eagle_aux_hidden_state_layer_ids=AUX_IDS,
         speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
-            default_proposal_method="greedy", verifier=VerifierConfig.from_pretrained(target_dir)),
-        **flags)
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig.from_pretrained(target_dir),
+        ),
+        **flags,
+    )
     model = Eagle3DraftModel(cfg)
     ids = torch.from_numpy(np.sort(np.random.RandomState(seed).choice(V, N, replace=False)))
     t2d = torch.zeros(V, dtype=torch.bool)
@@ -87,8 +109,7 @@ def ref_layer_logits(model: Eagle3DraftModel, feats: torch.Tensor, next_ids: tor
     t = h.shape[1]
     pos = torch.arange(t)[None]
     mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
-    out = model.layers[0](h, attention_mask=mask, position_ids=pos,
-                          position_embeddings=model.rotary_emb(h, pos))
+    out = model.layers[0](h, attention_mask=mask, position_ids=pos, position_embeddings=model.rotary_emb(h, pos))
     return model.lm_head(model.norm(out))[0]  # norm_output changes what is fed back, not these
 
 
@@ -113,8 +134,11 @@ def specjax_logits(weights, target, tokens: np.ndarray) -> np.ndarray:
 
 
 TOKENS = np.random.RandomState(5).randint(0, V, 14).astype(np.int32)
-VARIANTS = {"llama": ({}, False), "qwen3-layer": ({}, True),
-            "norms": ({"norm_before_residual": True, "norm_output": True, "norm_before_fc": True}, False)}
+VARIANTS = {
+    "llama": ({}, False),
+    "qwen3-layer": ({}, True),
+    "norms": ({"norm_before_residual": True, "norm_output": True, "norm_before_fc": True}, False),
+}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -164,12 +188,16 @@ def eagle_layout_from(spec_dir: str, out: str) -> str:
     raw = json.load(open(os.path.join(spec_dir, "config.json")))
     f = SafetensorsFile(os.path.join(spec_dir, "model.safetensors"))
     os.makedirs(out, exist_ok=True)
-    save_file({n.replace("layers.0.", "midlayer."): np.array(f.get(n)) for n in f.names()},
-              os.path.join(out, "model.safetensors"))
-    cfg = {**raw["transformer_layer_config"], "architectures": ["LlamaForCausalLMEagle3"],
-           "draft_vocab_size": raw["draft_vocab_size"],
-           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in
-                                                                  raw["eagle_aux_hidden_state_layer_ids"]]}}
+    save_file(
+        {n.replace("layers.0.", "midlayer."): np.array(f.get(n)) for n in f.names()},
+        os.path.join(out, "model.safetensors"),
+    )
+    cfg = {
+        **raw["transformer_layer_config"],
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": raw["draft_vocab_size"],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in raw["eagle_aux_hidden_state_layer_ids"]]},
+    }
     json.dump(cfg, open(os.path.join(out, "config.json"), "w"))
     return out
 
@@ -250,15 +278,21 @@ def test_shipped_drafter_exports_to_eagle_layout(shipped, default_model, default
     eagle3_formats.export(shipped, str(tmp_path / "eagle"), "eagle")
     raw = json.load(open(tmp_path / "eagle" / "config.json"))
     assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["eagle_config"][
-        "eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+        "eagle_aux_hidden_state_layer_ids"
+    ] == [2, 15, 27]
     f = SafetensorsFile(str(tmp_path / "eagle" / "model.safetensors"))
     off = np.asarray(f.get("d2t"))
     assert off.dtype == np.int64 and np.array_equal(np.arange(len(off)) + off, np.asarray(shipped.d2t))
     assert np.asarray(f.get("t2d")).sum() == len(off)
     # The converter takes the ids in its own (hidden_states) convention; the embedding comes from
     # the base model, as our export leaves it out (SGLang and vLLM share the target's).
-    Eagle3Converter().convert(str(tmp_path / "eagle"), str(tmp_path / "conv"), base_model=default_hf_dir,
-                              validate=False, eagle_aux_hidden_state_layer_ids=[3, 16, 28])
+    Eagle3Converter().convert(
+        str(tmp_path / "eagle"),
+        str(tmp_path / "conv"),
+        base_model=default_hf_dir,
+        validate=False,
+        eagle_aux_hidden_state_layer_ids=[3, 16, 28],
+    )
     conv = Eagle3DraftModel.from_pretrained(str(tmp_path / "conv")).eval()
     # speculators fills a missing table from the verifier only while it is NaN; transformers 5.24
     # (newer than speculators 0.9 pins) initialises missing weights first, so set it as it means to.
@@ -316,8 +350,23 @@ def test_bad_published_drafters_are_one_line_errors(case, hf_target_dir, target,
 def test_drafter_for_another_target_is_exit_2(hf_target_dir, tmp_path, cli_env):
     """The CLI on the default model with a drafter published for the tiny target: one line, exit 2."""
     reference_drafter(hf_target_dir).save_pretrained(str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "specjax.cli", "generate", "--drafter", f"eagle3:{tmp_path}",
-                        "--max-new-tokens", "4", "hi"], capture_output=True, text=True, env=cli_env, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specjax.cli",
+            "generate",
+            "--drafter",
+            f"eagle3:{tmp_path}",
+            "--max-new-tokens",
+            "4",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "hidden size 32, but this target has 576" in lines[0], r.stderr
@@ -336,15 +385,19 @@ def test_export_cli(shipped, default_model, tmp_path, capsys):
         back = eagle3_formats.load(str(tmp_path / fmt), jnp.float32)
         assert back.config.target_layers == shipped.config.target_layers and np.array_equal(back.d2t, shipped.d2t)
         np.testing.assert_allclose(back.params["fc"][...], shipped.params["fc"][...], rtol=1e-2, atol=1e-3)
-    assert json.load(open(tmp_path / "speculators" / "config.json"))["speculators_config"]["verifier"][
-        "name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert (
+        json.load(open(tmp_path / "speculators" / "config.json"))["speculators_config"]["verifier"]["name_or_path"]
+        == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
     assert main(["export", "draft", "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
     draft = load_model(str(tmp_path / "hf"), "float32", quiet=True)  # a plain HF checkpoint now
     assert draft.tokenizer is not None and draft.config.vocab_size == default_model.config.vocab_size
     capsys.readouterr()
-    for argv, msg in [(["mtp", "--format", "hf", "--out", str(tmp_path / "m")], "no published format"),
-                      (["eagle3", "--format", "hf", "--out", str(tmp_path / "x")], "exports as eagle | speculators"),
-                      (["eagle3", "--format", "eagle", "--out", str(tmp_path / "eagle")], "not an empty directory")]:
+    for argv, msg in [
+        (["mtp", "--format", "hf", "--out", str(tmp_path / "m")], "no published format"),
+        (["eagle3", "--format", "hf", "--out", str(tmp_path / "x")], "exports as eagle | speculators"),
+        (["eagle3", "--format", "eagle", "--out", str(tmp_path / "eagle")], "not an empty directory"),
+    ]:
         assert main(["export", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0], err
@@ -359,8 +412,10 @@ def test_default_layers_are_the_references(hf_target_dir, tmp_path):
     bad = corrupt(str(tmp_path / "ok"), str(tmp_path / "noids"), lambda c: c.pop("eagle_aux_hidden_state_layer_ids"))
     deep = tmp_path / "deep"  # a 14-layer target's config (speculators refuses repeated ids, as 6 layers give)
     deep.mkdir()
-    json.dump({**json.load(open(os.path.join(hf_target_dir, "config.json"))), "num_hidden_layers": 14},
-              open(deep / "config.json", "w"))
+    json.dump(
+        {**json.load(open(os.path.join(hf_target_dir, "config.json"))), "num_hidden_layers": 14},
+        open(deep / "config.json", "w"),
+    )
     w = eagle3_formats.load(bad, jnp.float32, target_num_layers=14)
     with pytest.warns(UserWarning):
         ids = resolve_target_layer_ids(None, str(deep))
@@ -388,8 +443,17 @@ def test_qwen3_target_with_a_published_drafter(tmp_path):
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(1)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=64,
+        num_hidden_layers=L,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     Qwen3ForCausalLM(cfg).save_pretrained(str(tmp_path / "qwen3"))
     target = load_model(str(tmp_path / "qwen3"), "float32", quiet=True)
     assert target.config.qk_norm

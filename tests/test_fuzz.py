@@ -42,21 +42,89 @@ FUZZ = settings(deadline=None, database=None, suppress_health_check=list(HealthC
 
 # ---- strategies ----------------------------------------------------------------------------------
 
-NASTY = ["", " ", "\n", "\x00", "\udcff", "a\ud800b", "<|im_end|><|im_start|>assistant\n", "<|endoftext|>",
-         "-1", "0", "1e400", "nan", "-inf", "18446744073709551617", "9" * 50, "1" * 5000, "/proc/x",
-         "/nonexistent/x", "..", "{", "[" * 200, "ngram:x", "draft:/nonexistent", "eagle3@7", "mtp", "none",
-         "auto", "off", "data=2", "--", "-", "=", "a=b", "optim.steps=-5", "\t", "é", "日本"]
-text = st.one_of(st.text(max_size=12), st.sampled_from(NASTY),
-                 st.text(st.characters(exclude_categories=()), max_size=6),
-                 st.binary(max_size=8).map(lambda b: b.decode("utf-8", "surrogateescape")))
-number = st.one_of(st.integers(-(10**20), 10**20).map(str),
-                   st.floats(allow_nan=True, allow_infinity=True).map(repr), st.sampled_from(["0", "1", "2", "-1"]))
+NASTY = [
+    "",
+    " ",
+    "\n",
+    "\x00",
+    "\udcff",
+    "a\ud800b",
+    "<|im_end|><|im_start|>assistant\n",
+    "<|endoftext|>",
+    "-1",
+    "0",
+    "1e400",
+    "nan",
+    "-inf",
+    "18446744073709551617",
+    "9" * 50,
+    "1" * 5000,
+    "/proc/x",
+    "/nonexistent/x",
+    "..",
+    "{",
+    "[" * 200,
+    "ngram:x",
+    "draft:/nonexistent",
+    "eagle3@7",
+    "mtp",
+    "none",
+    "auto",
+    "off",
+    "data=2",
+    "--",
+    "-",
+    "=",
+    "a=b",
+    "optim.steps=-5",
+    "\t",
+    "é",
+    "日本",
+]
+text = st.one_of(
+    st.text(max_size=12),
+    st.sampled_from(NASTY),
+    st.text(st.characters(exclude_categories=()), max_size=6),
+    st.binary(max_size=8).map(lambda b: b.decode("utf-8", "surrogateescape")),
+)
+number = st.one_of(
+    st.integers(-(10**20), 10**20).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.sampled_from(["0", "1", "2", "-1"]),
+)
 value = st.one_of(text, number)
 
-GENERATE_FLAGS = ["--temperature", "--top-k", "--top-p", "--seed", "--drafter", "--num-draft", "--dtype",
-                  "--spec-policy", "--json", "--raw", "--compare-plain", "--bogus", "-x"]
-BATCH_FLAGS = ["--temperature", "--top-k", "--top-p", "--seed", "--raw", "--latency-class", "--spec-policy",
-               "--batch-size", "--limit", "--num-draft", "--drafter", "--mesh", "--process-id", "--num-processes"]
+GENERATE_FLAGS = [
+    "--temperature",
+    "--top-k",
+    "--top-p",
+    "--seed",
+    "--drafter",
+    "--num-draft",
+    "--dtype",
+    "--spec-policy",
+    "--json",
+    "--raw",
+    "--compare-plain",
+    "--bogus",
+    "-x",
+]
+BATCH_FLAGS = [
+    "--temperature",
+    "--top-k",
+    "--top-p",
+    "--seed",
+    "--raw",
+    "--latency-class",
+    "--spec-policy",
+    "--batch-size",
+    "--limit",
+    "--num-draft",
+    "--drafter",
+    "--mesh",
+    "--process-id",
+    "--num-processes",
+]
 NO_VALUE = {"--json", "--raw", "--compare-plain"}
 
 
@@ -67,12 +135,15 @@ def flags(names):
 
 
 json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), text)
-json_value = st.recursive(json_leaf, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                             st.dictionaries(st.text(max_size=6), inner, max_size=3)),
-                          max_leaves=8)
+json_value = st.recursive(
+    json_leaf,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=8,
+)
 ROW_KEYS = ["id", "prompt", "messages", "temperature", "top_k", "top_p", "max_new_tokens", "max_tokens", "seed", "x"]
-message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "wizard", ""]),
-                                 "content": text})
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "wizard", ""]), "content": text}
+)
 row_value = {
     "id": st.one_of(st.integers(-5, 5), st.sampled_from(["a", "b", "", "a"]), json_value),
     "prompt": st.one_of(text, st.just("Tell me a story"), json_value),
@@ -81,7 +152,8 @@ row_value = {
     "max_new_tokens": st.one_of(st.sampled_from([1, 2, 0, -3, 10**6]), json_value),
 }
 row = st.dictionaries(st.sampled_from(ROW_KEYS), json_value, max_size=5).flatmap(
-    lambda d: st.fixed_dictionaries({k: row_value.get(k, json_value) for k in d}))
+    lambda d: st.fixed_dictionaries({k: row_value.get(k, json_value) for k in d})
+)
 line = st.one_of(
     row.map(lambda d: json.dumps(d).encode()),  # JSON objects that look like rows (valid ones included)
     json_value.map(lambda v: json.dumps(v).encode()),  # JSON of any shape
@@ -128,25 +200,57 @@ def test_fuzz_cli_argv(tiny_tok_dir, tmp_path_factory, cmd, args):
     inputs = []
     if cmd == "generate":
         prompts = st.one_of(st.lists(text, max_size=2), st.just(["Hi there"]))  # a valid prompt, often
-        argv = ["generate", *d(st.one_of(st.just([]), flags(GENERATE_FLAGS))), *d(prompts), "--model", tiny_tok_dir,
-                "--max-new-tokens", d(st.sampled_from(["1", "2", "1", "2", "0", "x", "99999"]))]
+        argv = [
+            "generate",
+            *d(st.one_of(st.just([]), flags(GENERATE_FLAGS))),
+            *d(prompts),
+            "--model",
+            tiny_tok_dir,
+            "--max-new-tokens",
+            d(st.sampled_from(["1", "2", "1", "2", "0", "x", "99999"])),
+        ]
     elif cmd == "batch":
         inp = os.path.join(work, "in.jsonl")
         with open(inp, "wb") as fh:
             fh.write(b'{"id": 1, "prompt": "Hi"}\n')
         inputs.append(inp)
         out = d(st.sampled_from([os.path.join(work, "out.jsonl"), inp, inp + ".errors.jsonl", "/proc/o.jsonl", work]))
-        argv = ["batch", "--input", inp, "--output", out, *d(st.one_of(st.just([]), flags(BATCH_FLAGS))),
-                "--model", tiny_tok_dir,
-                "--max-new-tokens", "2", "--no-progress"]
+        argv = [
+            "batch",
+            "--input",
+            inp,
+            "--output",
+            out,
+            *d(st.one_of(st.just([]), flags(BATCH_FLAGS))),
+            "--model",
+            tiny_tok_dir,
+            "--max-new-tokens",
+            "2",
+            "--no-progress",
+        ]
     elif cmd == "train":
         recipe = os.path.join(work, "r.yaml")
         with open(recipe, "w") as fh:
-            fh.write(f"drafter: eagle3\nout_dir: {work}/run\ntarget: /nonexistent/model\ndata: {{}}\nmodel: {{}}\n"
-                     "optim: {}\n")
+            fh.write(
+                f"drafter: eagle3\nout_dir: {work}/run\ntarget: /nonexistent/model\ndata: {{}}\nmodel: {{}}\n"
+                "optim: {}\n"
+            )
         inputs.append(recipe)
-        keys = st.sampled_from(["optim.steps", "optim.lr", "optim.batch_size", "data.seq_len", "data.source",
-                                "model.ttt_steps", "model.bogus", "drafter", "export_dtype", "out_dir", "x.y"])
+        keys = st.sampled_from(
+            [
+                "optim.steps",
+                "optim.lr",
+                "optim.batch_size",
+                "data.seq_len",
+                "data.source",
+                "model.ttt_steps",
+                "model.bogus",
+                "drafter",
+                "export_dtype",
+                "out_dir",
+                "x.y",
+            ]
+        )
         overrides = st.lists(st.tuples(keys, value).map(lambda kv: f"{kv[0]}={kv[1]}"), max_size=3)
         argv = ["train", "--config", recipe, *d(overrides), *d(st.lists(text, max_size=1))]
     elif cmd == "bench":
@@ -164,10 +268,16 @@ def test_fuzz_cli_argv(tiny_tok_dir, tmp_path_factory, cmd, args):
 
 
 @settings(FUZZ, max_examples=3)
-@given(argv=st.one_of(
-    st.lists(st.sampled_from(["--bogus", "generate", "--temperature", "x", "-1", "\udcff", "caf\udce9"]), max_size=4),
-    st.lists(st.sampled_from(["optim.steps=-5", "optim.lr=0", "data.seq_len=1", "model.x=1"]), min_size=1,
-             max_size=2).map(lambda o: ["train", "eagle3", *o])))
+@given(
+    argv=st.one_of(
+        st.lists(
+            st.sampled_from(["--bogus", "generate", "--temperature", "x", "-1", "\udcff", "caf\udce9"]), max_size=4
+        ),
+        st.lists(
+            st.sampled_from(["optim.steps=-5", "optim.lr=0", "data.seq_len=1", "model.x=1"]), min_size=1, max_size=2
+        ).map(lambda o: ["train", "eagle3", *o]),
+    )
+)
 def test_fuzz_cli_subprocess(argv):
     """A few argvs through the installed console script, as raw bytes (a real process's argv)."""
     if argv[:1] == ["train"]:
@@ -192,8 +302,21 @@ def test_fuzz_batch_input_lines(tiny_tok_dir, tmp_path_factory, lines, more):
     with open(inp, "wb") as fh:
         fh.write(b"\n".join(lines) + b"\n")
     before = sha(inp)
-    argv = ["batch", "--input", inp, "--output", out, "--model", tiny_tok_dir, "--max-new-tokens", "2",
-            "--batch-size", "4", "--no-progress", *more]
+    argv = [
+        "batch",
+        "--input",
+        inp,
+        "--output",
+        out,
+        "--model",
+        tiny_tok_dir,
+        "--max-new-tokens",
+        "2",
+        "--batch-size",
+        "4",
+        "--no-progress",
+        *more,
+    ]
     rc, _, err = run_main(argv)
     COUNTS["batch"] += 1
     COUNTS[f"batch exit {rc}"] += 1
@@ -214,8 +337,25 @@ def test_fuzz_batch_input_lines(tiny_tok_dir, tmp_path_factory, lines, more):
 
 # ---- HTTP ---------------------------------------------------------------------------------------------
 
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-          "n", "stop", "stream", "stream_options", "seed", "logprobs", "latency_class", "ignore_eos", "x"]
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stop",
+    "stream",
+    "stream_options",
+    "seed",
+    "logprobs",
+    "latency_class",
+    "ignore_eos",
+    "x",
+]
 field_value = {
     "model": st.one_of(st.just(NAME), json_value),
     "prompt": st.one_of(text, st.just("Hi"), st.lists(st.integers(-2, 60_000), max_size=4), json_value),
@@ -224,7 +364,8 @@ field_value = {
     "stream": st.one_of(st.booleans(), json_value),
 }
 http_json = st.dictionaries(st.sampled_from(FIELDS), json_value, max_size=6).flatmap(
-    lambda d: st.fixed_dictionaries({k: field_value.get(k, json_value) for k in d}))
+    lambda d: st.fixed_dictionaries({k: field_value.get(k, json_value) for k in d})
+)
 http_body = st.one_of(
     http_json.map(lambda d: json.dumps(d).encode()),
     http_json.map(lambda d: {"model": NAME, "max_tokens": 2, **d}).map(lambda d: json.dumps(d).encode()),
@@ -233,11 +374,23 @@ http_body = st.one_of(
     st.integers(1, 200_000).map(lambda n: b"[" * n),
     st.just(b'{"model": "tiny-chat", "prompt": "a\\ud800"}'),
 )
-ROUTES = ["/v1/completions", "/v1/chat/completions", "/batch/v1/completions", "/interactive/v1/chat/completions",
-          "/v1/models", "/v1/models/x", "/health", "/metrics", "/specjax/decisions", "/nope", "/v1/completions/"]
+ROUTES = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/batch/v1/completions",
+    "/interactive/v1/chat/completions",
+    "/v1/models",
+    "/v1/models/x",
+    "/health",
+    "/metrics",
+    "/specjax/decisions",
+    "/nope",
+    "/v1/completions/",
+]
 # printable ASCII without surrounding blanks: what an HTTP client lets through (h11 refuses the rest)
 header_text = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=20).map(
-    lambda t: t.strip() or "x")
+    lambda t: t.strip() or "x"
+)
 headers = st.dictionaries(
     st.sampled_from(["content-type", "authorization", "accept", "x-specjax", "user-agent"]),
     st.one_of(header_text, st.sampled_from(["application/json", "Bearer sk-batch", "Bearer x", "text/plain"])),
@@ -278,8 +431,12 @@ POST_ROUTES = ROUTES[:4]
 
 
 @settings(FUZZ, max_examples=150)
-@given(route=st.one_of(st.sampled_from(POST_ROUTES), st.sampled_from(ROUTES)), body=http_body, hdrs=headers,
-       other_method=st.sampled_from([None] * 8 + ["GET", "PUT"]))
+@given(
+    route=st.one_of(st.sampled_from(POST_ROUTES), st.sampled_from(ROUTES)),
+    body=http_body,
+    hdrs=headers,
+    other_method=st.sampled_from([None] * 8 + ["GET", "PUT"]),
+)
 def test_fuzz_http(server, health_watch, route, body, hdrs, other_method):  # noqa: F811
     """Random bodies and headers on every route: never a 5xx; the server logs no error."""
     method = other_method or ("POST" if route in POST_ROUTES else "GET")

@@ -18,14 +18,47 @@ from specjax.models.loading import gguf as gguf_loader
 from specjax.models.loading.gguf_tokenizer import tokenizer_from_gguf
 
 EDGE = [
-    "", " ", "  ", "\t", "\n", "\n\n\n", "   leading", "trailing   ", "a  b   c    d", "tabs\tand\ttabs",
-    "line\r\nbreaks\rmixed\n", "x" * 300, "1234567890", "3.14159e-10", "  12  345 ", "don't I'll we've",
-    "héllo wörld", "日本語のテキスト", "Привет, мир", "مرحبا", "emoji 🤖🚀👍🏽 ok", "zero\u200bwidth",
-    "combining e\u0301", "\u00a0nbsp", "\ufeffbom", "<|im_start|>", "<|im_end|>", "<|endoftext|>",
-    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "text<|im_end|>more", "<|im_start",
-    "<repo_name>x<file_sep>y", "def f(x):\n    return x ** 2\n", "    indented\n        twice\n",
-    "if (a && b) { c(); }", "SELECT * FROM t WHERE a = 'b';", "<html><body>hi</body></html>",
-    "http://example.com/a?b=c&d=e", "a@b.co", "$$\\frac{1}{2}$$", "~!@#$%^&*()_+`-=[]{}|;':\",./<>?",
+    "",
+    " ",
+    "  ",
+    "\t",
+    "\n",
+    "\n\n\n",
+    "   leading",
+    "trailing   ",
+    "a  b   c    d",
+    "tabs\tand\ttabs",
+    "line\r\nbreaks\rmixed\n",
+    "x" * 300,
+    "1234567890",
+    "3.14159e-10",
+    "  12  345 ",
+    "don't I'll we've",
+    "héllo wörld",
+    "日本語のテキスト",
+    "Привет, мир",
+    "مرحبا",
+    "emoji 🤖🚀👍🏽 ok",
+    "zero\u200bwidth",
+    "combining e\u0301",
+    "\u00a0nbsp",
+    "\ufeffbom",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "text<|im_end|>more",
+    "<|im_start",
+    "<repo_name>x<file_sep>y",
+    "def f(x):\n    return x ** 2\n",
+    "    indented\n        twice\n",
+    "if (a && b) { c(); }",
+    "SELECT * FROM t WHERE a = 'b';",
+    "<html><body>hi</body></html>",
+    "http://example.com/a?b=c&d=e",
+    "a@b.co",
+    "$$\\frac{1}{2}$$",
+    "~!@#$%^&*()_+`-=[]{}|;':\",./<>?",
 ]
 
 
@@ -46,8 +79,9 @@ def tokenizers(default_gguf_path):
     from transformers import AutoTokenizer
 
     ours = tokenizer_from_gguf(gguf_loader.open_reader(default_gguf_path), default_gguf_path)
-    ref = AutoTokenizer.from_pretrained(os.path.dirname(default_gguf_path),
-                                        gguf_file=os.path.basename(default_gguf_path))
+    ref = AutoTokenizer.from_pretrained(
+        os.path.dirname(default_gguf_path), gguf_file=os.path.basename(default_gguf_path)
+    )
     return ours, ref
 
 
@@ -128,8 +162,33 @@ def _compare_file(path, texts):
 def test_sentencepiece_gguf_without_merges_matches_transformers(tmp_path):
     """llama-type (SentencePiece BPE) vocabulary with byte fallback, merges derived from scores,
     BOS added, a user-defined token kept whole."""
-    pieces = ["▁", "e", "t", "a", "h", "l", "o", "▁t", "he", "▁the", "ll", "llo", "▁he", "▁hello", "w", "r",
-              "d", "▁w", "or", "▁wor", "ld", "▁world", "x", "▁x", "<tool>"]
+    pieces = [
+        "▁",
+        "e",
+        "t",
+        "a",
+        "h",
+        "l",
+        "o",
+        "▁t",
+        "he",
+        "▁the",
+        "ll",
+        "llo",
+        "▁he",
+        "▁hello",
+        "w",
+        "r",
+        "d",
+        "▁w",
+        "or",
+        "▁wor",
+        "ld",
+        "▁world",
+        "x",
+        "▁x",
+        "<tool>",
+    ]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     types = [2, 3, 3] + [6] * 256 + [1] * (len(pieces) - 1) + [4]
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
@@ -194,8 +253,13 @@ def test_default_model_loads_where_torch_cannot_be_imported(tmp_path, tokenizers
     texts = _corpus()[::4]
     (tmp_path / "texts.json").write_text(json.dumps(texts))
     env = {**os.environ, "SPECJAX_CACHE": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", NO_TORCH, str(tmp_path / "texts.json"), str(tmp_path / "out.json")],
-                       env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", NO_TORCH, str(tmp_path / "texts.json"), str(tmp_path / "out.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["torch"] is False

@@ -238,8 +238,9 @@ def test_engine_prefill_in_chunks_equals_one_pass(model, monkeypatch):
     lens = np.array([64, 5, 40, 47])  # rows ending in the last, first and middle chunks
     static = dict(cache_size=S, feature_layers=(0, 1), want_final=True)
     with jax.enable_x64(True):
-        params = jax.tree.map(lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a,
-                              model.params)
+        params = jax.tree.map(
+            lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, model.params
+        )
         prompt, lengths = jnp.asarray(_tokens(4, B, 64)), jnp.asarray(lens, jnp.int32)
         one = jax.jit(partial(engine._prefill, model.graphdef, **static))(params, prompt, lengths)
         assert engine.prefill_chunk(B, 64, S, model.config.num_heads) == 64

@@ -60,7 +60,8 @@ def _save(hf, path, **kw):
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(tie_word_embeddings=False), dict(tie_word_embeddings=True), dict(num_key_value_heads=1, **LLAMA3)],
+    "kw",
+    [dict(tie_word_embeddings=False), dict(tie_word_embeddings=True), dict(num_key_value_heads=1, **LLAMA3)],
     ids=["untied", "tied", "mqa-llama3"],
 )
 def test_hf_dir_round_trip(tmp_path, kw):
@@ -239,8 +240,11 @@ def test_gguf_conversion_cache_used_on_second_load(default_model, specjax_cache,
     from specjax.models.loading import CACHE_FORMAT
 
     mine = json.loads(json.dumps(default_model.config.to_dict()))  # other tests convert other GGUFs
-    entries = [e for e in glob.glob(os.path.join(specjax_cache, f"gguf-v{CACHE_FORMAT}-*"))
-               if json.load(open(os.path.join(e, "config.json"))) == mine]
+    entries = [
+        e
+        for e in glob.glob(os.path.join(specjax_cache, f"gguf-v{CACHE_FORMAT}-*"))
+        if json.load(open(os.path.join(e, "config.json"))) == mine
+    ]
     assert len(entries) == 1
     for f in ("params.safetensors", "config.json", os.path.join("tokenizer", "tokenizer.json")):
         assert os.path.isfile(os.path.join(entries[0], f)), f
@@ -284,9 +288,17 @@ def test_torch_bin_reader_matches_torch_load(tmp_path):
     from specjax.models.loading import torch_bin
 
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    sd = {"f32": torch.randn(3, 5), "bf16": torch.randn(7, 2).to(torch.bfloat16), "f16": torch.randn(4).half(),
-          "i64": torch.arange(-3, 9), "bool": torch.rand(10) > 0.5, "scalar": torch.tensor(2.5),
-          "transposed": base.t(), "row": base[2], "sliced": base[:, 1:4]}
+    sd = {
+        "f32": torch.randn(3, 5),
+        "bf16": torch.randn(7, 2).to(torch.bfloat16),
+        "f16": torch.randn(4).half(),
+        "i64": torch.arange(-3, 9),
+        "bool": torch.rand(10) > 0.5,
+        "scalar": torch.tensor(2.5),
+        "transposed": base.t(),
+        "row": base[2],
+        "sliced": base[:, 1:4],
+    }
     torch.save(sd, tmp_path / "pytorch_model.bin")
     got = torch_bin.load(str(tmp_path / "pytorch_model.bin"))
     assert set(got) == set(sd)

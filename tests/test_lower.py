@@ -21,8 +21,11 @@ def test_prefill_and_decode_lower_for_the_device(platform, drafter):
     for fn in ("prefill", "decode"):
         assert got[fn]["ok"], (fn, got[fn])
         assert got[fn]["host_callbacks"] == [], (fn, got[fn])
-    kernel = "tpu_custom_call" if platform == "tpu" else {"triton": "__gpu$xla.gpu.triton"}.get(
-        rs.gpu_kernel_backends()[0], "mosaic_gpu")
+    kernel = (
+        "tpu_custom_call"
+        if platform == "tpu"
+        else {"triton": "__gpu$xla.gpu.triton"}.get(rs.gpu_kernel_backends()[0], "mosaic_gpu")
+    )
     calls = got["decode"]["custom_calls"]
     if drafter == "none":  # no drafts, no rejection sampling
         assert not any(c in calls for c in ("tpu_custom_call", "__gpu$xla.gpu.triton"))
@@ -54,12 +57,15 @@ def test_cpu_only_choices_follow_the_platform_lowered_for():
     assert default_min_confidence() > 0 and default_dtype() == "float32"  # this host: CPU
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--shape", "gpt-5"], "--shape must be one of"),
-    (["--platforms", "metal"], "unknown platform"),
-    (["--drafter", "medusa"], "--drafter must be one of"),
-    (["--batch-size", "0"], "--batch-size must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--shape", "gpt-5"], "--shape must be one of"),
+        (["--platforms", "metal"], "unknown platform"),
+        (["--drafter", "medusa"], "--drafter must be one of"),
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+    ],
+)
 def test_cli_bad_input_one_line_exit_2(argv, message, capsys):
     from specjax.cli import main
 

@@ -52,8 +52,12 @@ def test_drafting_equals_training_forward_through_commits(sharp_target, weights,
     drafter = MTPDrafter(k, weights, sharp_target)
     dparams = drafter.params()
     net = weights.module()
-    train = jax.jit(lambda: [net.logits(j, h, dparams["head"])  # [B, N, V] per depth
-                             for j, h in enumerate(mtp_hidden(net, dparams["embed"], x, final, k), 1)])()
+    train = jax.jit(
+        lambda: [
+            net.logits(j, h, dparams["head"])  # [B, N, V] per depth
+            for j, h in enumerate(mtp_hidden(net, dparams["embed"], x, final, k), 1)
+        ]
+    )()
 
     def history_of(m):  # true tokens x_0..x_m, junk after
         junk = rng.randint(0, 256, (b, s))
@@ -64,13 +68,25 @@ def test_drafting_equals_training_forward_through_commits(sharp_target, weights,
     m = np.array([1, 6])  # prompt lengths 1 and 6 (shorter than and longer than the window)
     t = 8
     prompt_final = np.asarray(final[:, :t]).copy()
-    prompt_final[0, m[0]:] = rng.randn(t - m[0], final.shape[-1])  # padded prompt positions: junk
+    prompt_final[0, m[0] :] = rng.randn(t - m[0], final.shape[-1])  # padded prompt positions: junk
     samp = SamplingArrays.from_params([SamplingParams()] * b)
-    ictx = InitContext(jnp.where(jnp.arange(t)[None] < m[:, None], x[:, :t], 0), jnp.asarray(m), history_of(m),
-                       jnp.asarray(m + 1), samp, None, jnp.asarray(prompt_final), s, True)
+    ictx = InitContext(
+        jnp.where(jnp.arange(t)[None] < m[:, None], x[:, :t], 0),
+        jnp.asarray(m),
+        history_of(m),
+        jnp.asarray(m + 1),
+        samp,
+        None,
+        jnp.asarray(prompt_final),
+        s,
+        True,
+    )
     st = drafter.init(dparams, ictx)
-    draft_fn = jax.jit(lambda st, hist, mm: drafter.draft_chain(
-        dparams, st, hist, lambda j, lg: jnp.take_along_axis(x, (mm + j)[:, None], axis=1)[:, 0]))
+    draft_fn = jax.jit(
+        lambda st, hist, mm: drafter.draft_chain(
+            dparams, st, hist, lambda j, lg: jnp.take_along_axis(x, (mm + j)[:, None], axis=1)[:, 0]
+        )
+    )
     commit_fn = jax.jit(lambda st, ctx: drafter.commit(dparams, st, ctx))
     accepted_total = 0
     for _ in range(10):
@@ -84,9 +100,16 @@ def test_drafting_equals_training_forward_through_commits(sharp_target, weights,
         new_m = np.where(live, np.minimum(m + n_acc + 1, n - k - 2), m)
         verify = np.array(jax.vmap(lambda f, i: jax.lax.dynamic_slice_in_dim(f, i, k + 1))(final, jnp.asarray(m)))
         for r in range(b):  # states of rejected drafts are junk
-            verify[r, new_m[r] - m[r]:] = rng.randn(*verify[r, new_m[r] - m[r]:].shape)
-        ctx = CommitContext(jnp.asarray(n_acc), jnp.zeros((b, k + 1), jnp.int32), history_of(new_m),
-                            jnp.asarray(new_m + 1), jnp.asarray(live), None, jnp.asarray(verify))
+            verify[r, new_m[r] - m[r] :] = rng.randn(*verify[r, new_m[r] - m[r] :].shape)
+        ctx = CommitContext(
+            jnp.asarray(n_acc),
+            jnp.zeros((b, k + 1), jnp.int32),
+            history_of(new_m),
+            jnp.asarray(new_m + 1),
+            jnp.asarray(live),
+            None,
+            jnp.asarray(verify),
+        )
         st = commit_fn(st, ctx)
         accepted_total += int((new_m - m).sum())
         m = new_m
@@ -217,8 +240,9 @@ def test_draft_vocabulary_export_and_greedy_lossless(sharp_target, sharp_store, 
     from specjax.drafters.checkpoint import VOCAB_FILE
 
     _, params, _, _ = trained
-    task = MTPTask(sharp_target, sharp_store.counts, num_modules=DEPTH, intermediate_size=96, loss_chunk=16,
-                   draft_vocab_size=48)
+    task = MTPTask(
+        sharp_target, sharp_store.counts, num_modules=DEPTH, intermediate_size=96, loss_chunk=16, draft_vocab_size=48
+    )
     path = task.export(params, str(tmp_path / "mtp"), None, {"note": "test"})
     assert os.path.isfile(os.path.join(path, VOCAB_FILE))
     d = make_drafter(f"mtp:{path}", 3, sharp_target)
@@ -232,8 +256,9 @@ def test_draft_vocabulary_export_and_greedy_lossless(sharp_target, sharp_store, 
     rows = engine.generate(prompts, sp, drafter=d)
     assert [r.token_ids for r in rows] == plain
     assert sim["sim_mal"] > 1.0 and sum(sum(r.accepted) for r in rows) > 0
-    sampled = engine.generate(prompts[:2], [SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=12, seed=1)] * 2,
-                              drafter=d)
+    sampled = engine.generate(
+        prompts[:2], [SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=12, seed=1)] * 2, drafter=d
+    )
     assert all(len(r.token_ids) == 12 for r in sampled)
 
 
@@ -251,16 +276,27 @@ def test_tree_scores_are_the_training_log_probs_of_each_path(sharp_target, weigh
     final, _, _ = tm.hidden(x, tm.new_cache(b, s))
     hist = jnp.pad(x, ((0, 0), (0, s - 16)))
     samp = SamplingArrays.from_params([SamplingParams()] * b)
-    ictx = InitContext(jnp.where(jnp.arange(t)[None] < m[:, None], x[:, :t], 0), jnp.asarray(m), hist,
-                       jnp.asarray(m + 1), samp, None, final[:, :t], s, True)
+    ictx = InitContext(
+        jnp.where(jnp.arange(t)[None] < m[:, None], x[:, :t], 0),
+        jnp.asarray(m),
+        hist,
+        jnp.asarray(m + 1),
+        samp,
+        None,
+        final[:, :t],
+        s,
+        True,
+    )
     st = drafter.init(dparams, ictx)
     tokens, parents, depths, scores = jax.jit(lambda st: drafter.draft_tree(dparams, st, hist))(st)
 
     @jax.jit
     def path_logp(seq, mm, path, length):  # seq [1, 16]: x_0..x_m, then the path
         fin, _, _ = tm.hidden(seq, tm.new_cache(1, 16))
-        logp = [jax.nn.log_softmax(net.logits(j, h, dparams["head"]), -1)[0, mm - 1]
-                for j, h in enumerate(mtp_hidden(net, dparams["embed"], seq, fin, DEPTH), 1)]
+        logp = [
+            jax.nn.log_softmax(net.logits(j, h, dparams["head"]), -1)[0, mm - 1]
+            for j, h in enumerate(mtp_hidden(net, dparams["embed"], seq, fin, DEPTH), 1)
+        ]
         return sum(jnp.where(j < length, logp[j][path[j]], 0.0) for j in range(DEPTH))
 
     tok, par, dep = np.asarray(tokens), np.asarray(parents), np.asarray(depths)

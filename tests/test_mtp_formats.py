@@ -22,10 +22,19 @@ from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingParams
 
 V, D, L, STEPS = 96, 32, 3, 3
-LAYER_KEYS = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-              "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-              "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-              "mlp.down_proj.weight"]
+LAYER_KEYS = [
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+]
 
 
 def write_target(out: str, layout: str, seed: int = 0, edit=None) -> str:
@@ -33,9 +42,17 @@ def write_target(out: str, layout: str, seed: int = 0, edit=None) -> str:
     the MTP layer's decoder block from HF transformers (the block is a copy of a random extra
     layer), the MTP norms and projection random."""
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=L + 1,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
-                      tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=64,
+        num_hidden_layers=L + 1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     full = Qwen3ForCausalLM(cfg)
     sd = {k: v.detach().numpy() for k, v in full.state_dict().items()}
     block = {k: sd.pop(f"model.layers.{L}.{k}") for k in LAYER_KEYS}  # the extra layer: the MTP block
@@ -44,21 +61,39 @@ def write_target(out: str, layout: str, seed: int = 0, edit=None) -> str:
     proj = (0.15 * rng.randn(D, 2 * D)).astype(np.float32)  # [embed ; hidden] columns
     e_norm, h_norm, out_norm = norm(), norm(), norm()
     if layout == "qwen3_next":
-        sd.update({"mtp.fc.weight": proj, "mtp.pre_fc_norm_embedding.weight": e_norm,
-                   "mtp.pre_fc_norm_hidden.weight": h_norm, "mtp.norm.weight": out_norm})
+        sd.update(
+            {
+                "mtp.fc.weight": proj,
+                "mtp.pre_fc_norm_embedding.weight": e_norm,
+                "mtp.pre_fc_norm_hidden.weight": h_norm,
+                "mtp.norm.weight": out_norm,
+            }
+        )
         sd.update({f"mtp.layers.0.{k}": a for k, a in block.items()})
         extra = {"mtp_num_hidden_layers": 1}
     elif layout == "deepseek":
         p = f"model.layers.{L}."
-        sd.update({p + "eh_proj.weight": proj, p + "enorm.weight": e_norm, p + "hnorm.weight": h_norm,
-                   p + "shared_head.norm.weight": out_norm, p + "shared_head.head.weight": sd["lm_head.weight"]})
+        sd.update(
+            {
+                p + "eh_proj.weight": proj,
+                p + "enorm.weight": e_norm,
+                p + "hnorm.weight": h_norm,
+                p + "shared_head.norm.weight": out_norm,
+                p + "shared_head.head.weight": sd["lm_head.weight"],
+            }
+        )
         sd.update({p + k: a for k, a in block.items()})
         extra = {"num_nextn_predict_layers": 1}
     else:  # mimo: input_proj reads [hidden ; embed]
         p = "model.mtp_layers.0."
-        sd.update({p + "input_proj.weight": np.concatenate([proj[:, D:], proj[:, :D]], axis=1),
-                   p + "token_layernorm.weight": e_norm, p + "hidden_layernorm.weight": h_norm,
-                   p + "final_layernorm.weight": out_norm})
+        sd.update(
+            {
+                p + "input_proj.weight": np.concatenate([proj[:, D:], proj[:, :D]], axis=1),
+                p + "token_layernorm.weight": e_norm,
+                p + "hidden_layernorm.weight": h_norm,
+                p + "final_layernorm.weight": out_norm,
+            }
+        )
         sd.update({p + k: a for k, a in block.items()})
         extra = {"num_nextn_predict_layers": 1}
     if edit:
@@ -82,8 +117,7 @@ def reference_logits(qwen3_next_dir, tmp_path_factory):
     """`speculators`: convert the checkpoint's MTP layer, run its teacher-forced MTP forward on the
     HF target's final hidden states. -> (tokens [T], logits per step [STEPS] x [T', V])."""
     out = str(tmp_path_factory.mktemp("converted"))
-    MTPConverter().convert(qwen3_next_dir, out, base_model=qwen3_next_dir, num_speculative_steps=STEPS,
-                           validate=False)
+    MTPConverter().convert(qwen3_next_dir, out, base_model=qwen3_next_dir, num_speculative_steps=STEPS, validate=False)
     model = MTPDraftModel.from_pretrained(out).eval()
     model.config.transformer_layer_config._attn_implementation = "eager"
     hf = Qwen3ForCausalLM.from_pretrained(qwen3_next_dir).eval()
@@ -164,11 +198,14 @@ def _drop(sd):
     sd.pop("mtp.layers.0.self_attn.o_proj.weight")
 
 
-@pytest.mark.parametrize("layout,edit,msg", [
-    ("qwen3_next", _moe, "mixture-of-experts MTP layers are not supported"),
-    ("deepseek", _own_head, "shared_head.head.weight is not the target's"),
-    ("qwen3_next", _drop, "no tensor 'mtp.layers.0.self_attn.o_proj.weight'"),
-])
+@pytest.mark.parametrize(
+    "layout,edit,msg",
+    [
+        ("qwen3_next", _moe, "mixture-of-experts MTP layers are not supported"),
+        ("deepseek", _own_head, "shared_head.head.weight is not the target's"),
+        ("qwen3_next", _drop, "no tensor 'mtp.layers.0.self_attn.o_proj.weight'"),
+    ],
+)
 def test_bad_mtp_layers_are_one_line_errors(layout, edit, msg, tmp_path):
     path = write_target(str(tmp_path), layout, edit=edit)
     target = load_model(path, "float32", quiet=True)

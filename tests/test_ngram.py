@@ -32,12 +32,15 @@ def propose(drafter, rows, full=False, s=16):
 
 def test_longest_most_recent_match_and_active_flag():
     d = NgramDrafter(3, max_n=3, min_n=1, active_n=2)
-    draft, active = propose(d, [
-        [7, 8, 9, 1, 7, 8],  # "7 8" matched (n = 2): continue with 9 1 7
-        [5, 6, 1, 2, 3, 6],  # only "6" matches (n = 1): a guess, not active
-        [1, 2, 3, 4],  # no match at all
-        [4, 4, 4, 4],  # the continuation runs into the present: extended periodically
-    ])
+    draft, active = propose(
+        d,
+        [
+            [7, 8, 9, 1, 7, 8],  # "7 8" matched (n = 2): continue with 9 1 7
+            [5, 6, 1, 2, 3, 6],  # only "6" matches (n = 1): a guess, not active
+            [1, 2, 3, 4],  # no match at all
+            [4, 4, 4, 4],  # the continuation runs into the present: extended periodically
+        ],
+    )
     assert draft[0].tolist() == [9, 1, 7] and active[0]
     assert draft[1].tolist() == [1, 2, 3] and not active[1]
     assert draft[2].tolist() == [4, 4, 4] and not active[2]  # repeats the last token
@@ -48,8 +51,10 @@ def test_tree_is_the_trie_of_the_best_matches_continuations():
     """k = 3 branches of depth 3: the longest match's continuation first, then the next best by
     (length, recency); a branch agreeing with an earlier one shares its nodes (its own copies
     get parent -2), a branch without a good enough match is dead."""
-    rows = [[1, 2, 3, 9, 9, 5, 4, 1, 2, 3, 7, 8, 6, 4, 1, 2, 3],  # "4 1 2 3" -> 7 8 6; "1 2 3" -> 9 9 5
-            [5, 1, 2, 7, 5, 1, 2, 7, 3, 5, 1, 2]]  # "5 1 2" twice: 7 3 5 and 7 5 1 share the 7
+    rows = [
+        [1, 2, 3, 9, 9, 5, 4, 1, 2, 3, 7, 8, 6, 4, 1, 2, 3],  # "4 1 2 3" -> 7 8 6; "1 2 3" -> 9 9 5
+        [5, 1, 2, 7, 5, 1, 2, 7, 3, 5, 1, 2],
+    ]  # "5 1 2" twice: 7 3 5 and 7 5 1 share the 7
     p = propose(NgramDrafter(9, max_n=4).with_tree(3, 3), rows, full=True, s=32)
     tokens, parents = np.asarray(p.draft), np.asarray(p.parents)
     assert tokens[0, :6].tolist() == [7, 8, 6, 9, 9, 5] and parents[0, :6].tolist() == [-1, 0, 1, -1, 3, 4]
@@ -77,11 +82,15 @@ def test_long_matches_want_all_k_drafts_short_ones_three():
     d = NgramDrafter(7, max_n=8, long_n=5)
     assert d.verify_lengths == (3, 7)
     assert NgramDrafter(3).verify_lengths == (3,) and NgramDrafter(2).verify_lengths == (2,)
-    p = propose(d, [
-        [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5],  # "1 2 3 4 5" (n = 5): long
-        [1, 2, 3, 9, 1, 2, 3],  # n = 3: short
-        [4, 5, 6, 7],  # no match: inactive
-    ], full=True)
+    p = propose(
+        d,
+        [
+            [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5],  # "1 2 3 4 5" (n = 5): long
+            [1, 2, 3, 9, 1, 2, 3],  # n = 3: short
+            [4, 5, 6, 7],  # no match: inactive
+        ],
+        full=True,
+    )
     assert np.asarray(p.length).tolist() == [7, 3, 3] and np.asarray(p.active).tolist() == [True, True, False]
     assert np.asarray(p.draft)[0].tolist() == [9, 1, 2, 3, 4, 5, 9]
 

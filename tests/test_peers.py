@@ -53,9 +53,18 @@ class Log:
 
 
 def fake_job():
-    return {"model_source": "unused", "eos_ids": [2], "threads": 1, "drafters": [], "num_drafts": [2],
-            "suite_ids": {"a": [[1, 2, 3], [4, 5]], "b": [[6, 7]]}, "temperatures": [0.0], "max_new_tokens": 4,
-            "repeats": 1, "factory": FACTORY}
+    return {
+        "model_source": "unused",
+        "eos_ids": [2],
+        "threads": 1,
+        "drafters": [],
+        "num_drafts": [2],
+        "suite_ids": {"a": [[1, 2, 3], [4, 5]], "b": [[6, 7]]},
+        "temperatures": [0.0],
+        "max_new_tokens": 4,
+        "repeats": 1,
+        "factory": FACTORY,
+    }
 
 
 @pytest.fixture
@@ -96,9 +105,21 @@ def test_crashed_peer_is_reported_in_the_table(tests_on_path, tiny_tok_dir, tmp_
     stdout = Console(file=out, width=200)
     stderr = Console(file=err, width=200)
     path = tmp_path / "run.json"
-    rep = bench_suites(model, {"a": ["hi"], "b": ["yo"]}, ["none"], [2], [1], [0.0], 3, 1,
-                       peers=["abort", "good"], json_out=str(path), console=stderr, out=stdout,
-                       peer_factory=FACTORY)
+    rep = bench_suites(
+        model,
+        {"a": ["hi"], "b": ["yo"]},
+        ["none"],
+        [2],
+        [1],
+        [0.0],
+        3,
+        1,
+        peers=["abort", "good"],
+        json_out=str(path),
+        console=stderr,
+        out=stdout,
+        peer_factory=FACTORY,
+    )
     saved = json.loads(path.read_text())
     assert saved["peers_status"]["abort"]["status"] == "crashed"
     assert saved["peers_skipped"]["abort"].startswith("crashed: SIGABRT")
@@ -171,8 +192,7 @@ def llamacpp_peer(default_gguf_path, default_model):
     pytest.importorskip("llama_cpp")
     from specjax.bench.peers import LlamaCppPeer
 
-    return LlamaCppPeer(default_gguf_path, default_model.config.eos_token_ids, threads=os.cpu_count() or 1,
-                        n_ctx=512)
+    return LlamaCppPeer(default_gguf_path, default_model.config.eos_token_ids, threads=os.cpu_count() or 1, n_ctx=512)
 
 
 def test_llamacpp_greedy_tokens_against_specjax_plain(llamacpp_peer, default_model, default_gguf_path):
@@ -193,8 +213,9 @@ def test_llamacpp_greedy_tokens_against_specjax_plain(llamacpp_peer, default_mod
     from specjax.sampling import SamplingParams
 
     eos = default_model.config.eos_token_ids
-    scorer = Llama(model_path=default_gguf_path, n_ctx=512, n_threads=os.cpu_count() or 1, logits_all=True,
-                   verbose=False)
+    scorer = Llama(
+        model_path=default_gguf_path, n_ctx=512, n_threads=os.cpu_count() or 1, logits_all=True, verbose=False
+    )
     for prompt in (CLEAN, NEAR_TIE):
         ids = encode_prompt(default_model, prompt)
         (ours,) = Engine(default_model).generate([ids], [SamplingParams(max_new_tokens=16)], eos)
@@ -218,8 +239,26 @@ def test_bench_llamacpp_peer_reports_tokens_per_second(llamacpp_peer, tmp_path):
     from specjax.cli import main
 
     out = tmp_path / "run.json"
-    rc = main(["bench", "humaneval", "--limit", "2", "--max-new-tokens", "16", "--drafters", "none", "--num-draft",
-               "3", "--repeats", "1", "--peers", "llamacpp", "--json-out", str(out)])
+    rc = main(
+        [
+            "bench",
+            "humaneval",
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "16",
+            "--drafters",
+            "none",
+            "--num-draft",
+            "3",
+            "--repeats",
+            "1",
+            "--peers",
+            "llamacpp",
+            "--json-out",
+            str(out),
+        ]
+    )
     assert rc == 0
     rep = json.loads(out.read_text())
     assert rep["peers_status"]["llamacpp"]["status"] == "ok", rep["peers_status"]

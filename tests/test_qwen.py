@@ -33,8 +33,17 @@ def random_qwen(kind: str, seed: int = 0, vocab: int = 256, **kw):
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     cfg_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kind]
-    base = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False)
+    base = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
     if kind == "qwen3":
         base["head_dim"] = 32  # Qwen3's head_dim is its own (128 at hidden 4096 with 32 heads, etc.)
     base.update(kw)
@@ -101,8 +110,9 @@ def test_greedy_decoding_of_qwen3_equals_hf(tmp_path):
     rows = Engine(model).generate(prompts, [SamplingParams(max_new_tokens=20, ignore_eos=True)] * 2)
     for p, row in zip(prompts, rows):
         with torch.no_grad():
-            want = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, min_new_tokens=20,
-                               pad_token_id=0)[0, len(p):].tolist()
+            want = hf.generate(
+                torch.tensor([p]), max_new_tokens=20, do_sample=False, min_new_tokens=20, pad_token_id=0
+            )[0, len(p) :].tolist()
         assert row.token_ids == want
 
 
@@ -110,16 +120,36 @@ def test_greedy_decoding_of_qwen3_equals_hf(tmp_path):
 def llama_cpp_converter(tmp_path_factory) -> str:
     """Path of llama.cpp's convert_hf_to_gguf.py (with its gguf-py beside it)."""
     root = tmp_path_factory.mktemp("llama_cpp")
-    got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                          LLAMA_CPP_SDIST, "-d", str(root)], capture_output=True, text=True, timeout=600)
+    got = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            LLAMA_CPP_SDIST,
+            "-d",
+            str(root),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     sdists = glob.glob(str(root / "llama_cpp_python-*.tar.gz"))
     if got.returncode or not sdists:
         if os.environ.get("CI"):
             pytest.fail(f"cannot download {LLAMA_CPP_SDIST}: {got.stderr[-300:]}")
         pytest.skip(f"cannot download {LLAMA_CPP_SDIST} (no PyPI here)")
     with tarfile.open(sdists[0]) as tar:
-        keep = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name and any(
-            part in m.name for part in ("/convert_hf_to_gguf.py", "/conversion/", "/gguf-py/"))]
+        keep = [
+            m
+            for m in tar.getmembers()
+            if "/vendor/llama.cpp/" in m.name
+            and any(part in m.name for part in ("/convert_hf_to_gguf.py", "/conversion/", "/gguf-py/"))
+        ]
         tar.extractall(root, members=keep, filter="data")
     (script,) = glob.glob(str(root / "*/vendor/llama.cpp/convert_hf_to_gguf.py"))
     return script
@@ -142,8 +172,13 @@ def test_logits_match_hf_from_llama_cpp_gguf(kind, llama_cpp_converter, default_
         (src / "config.json").write_text(json.dumps(cfg | {"model_type": "llama"}))
     out = tmp_path / f"{kind}.gguf"
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(llama_cpp_converter), "gguf-py"))
-    conv = subprocess.run([sys.executable, llama_cpp_converter, str(src), "--outfile", str(out), "--outtype", "f32"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    conv = subprocess.run(
+        [sys.executable, llama_cpp_converter, str(src), "--outfile", str(out), "--outtype", "f32"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert conv.returncode == 0, conv.stderr[-2000:]
     model = specjax.load_model(str(out), dtype="float32", quiet=True)
     assert (model.config.attention_bias, model.config.qk_norm) == (kind == "qwen2", kind == "qwen3")
@@ -152,11 +187,17 @@ def test_logits_match_hf_from_llama_cpp_gguf(kind, llama_cpp_converter, default_
     assert model.tokenizer(text).input_ids == default_model.tokenizer(text).input_ids
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]), "mixture-of-experts layers"),
-    (dict(use_sliding_window=True), "sliding-window attention layers are not supported"),
-    (dict(layer_types=["full_attention", "sliding_attention"]), "sliding-window attention layers are not supported"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]), "mixture-of-experts layers"),
+        (dict(use_sliding_window=True), "sliding-window attention layers are not supported"),
+        (
+            dict(layer_types=["full_attention", "sliding_attention"]),
+            "sliding-window attention layers are not supported",
+        ),
+    ],
+)
 def test_unsupported_features_are_one_line_errors(change, message, tmp_path, capsys):
     from specjax.cli import main
 

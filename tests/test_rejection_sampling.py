@@ -205,16 +205,22 @@ def test_vocab_tiles_equal_reference(backend, k, v, tile):
     assert plan.n_tiles >= 3 and v % tile
     for qq in (q, None):
         want = rejection_sample_reference(p, qq, d, seeds)
-        assert_same(want, rejection_sample_pallas(p, qq, d, seeds, interpret=True, backend=backend, rows_per_block=2,
-                                                  vocab_tile=tile))
+        assert_same(
+            want,
+            rejection_sample_pallas(
+                p, qq, d, seeds, interpret=True, backend=backend, rows_per_block=2, vocab_tile=tile
+            ),
+        )
 
 
 def test_vocab_tiles_bf16_inputs_equal_reference():
     """bf16 p and q stay bf16 in the blocks; the kernel computes in f32, like the reference."""
     p, q, d, seeds = random_step(3, 3, 600, dtype=jnp.bfloat16)
     for backend in (None, "triton"):
-        assert_same(rejection_sample_reference(p, q, d, seeds),
-                    rejection_sample_pallas(p, q, d, seeds, interpret=True, backend=backend, vocab_tile=128))
+        assert_same(
+            rejection_sample_reference(p, q, d, seeds),
+            rejection_sample_pallas(p, q, d, seeds, interpret=True, backend=backend, vocab_tile=128),
+        )
 
 
 def tpu_interpret_params(**kw):
@@ -239,8 +245,9 @@ def test_tpu_interpret_mode_equals_reference(with_q, tile):
     params = tpu_interpret_params(grid_point_recorder=record)
     p, q, d, seeds = random_step(3, 4, 1000, seed=4)
     qq = q if with_q else None
-    got = rejection_sample_pallas(p, qq, d, seeds, interpret=params, backend="mosaic_tpu", rows_per_block=2,
-                                  vocab_tile=tile)
+    got = rejection_sample_pallas(
+        p, qq, d, seeds, interpret=params, backend="mosaic_tpu", rows_per_block=2, vocab_tile=tile
+    )
     assert_same(rejection_sample_reference(p, qq, d, seeds), got)
     plan = rs.kernel_plan("mosaic_tpu", 3, 4, 1000, p.dtype, with_q, rows=2, tile=tile)
     rows, tiles = plan.grid
@@ -308,8 +315,10 @@ def onehot(idx, v=V):
 @pytest.mark.parametrize("impl", ["reference", "pallas"])
 def test_table_cases(impl):
     """Deterministic p (one-hot) makes every outcome exact."""
-    f = (lambda *a: rejection_sample_reference(*a)) if impl == "reference" else (
-        lambda *a: rejection_sample_pallas(*a, interpret=True)
+    f = (
+        (lambda *a: rejection_sample_reference(*a))
+        if impl == "reference"
+        else (lambda *a: rejection_sample_pallas(*a, interpret=True))
     )
     target = [3, 5, 7, 9]  # target's token at positions 0..3 (K = 3)
     p = jnp.asarray(onehot(target))[None]  # [1, 4, V]

@@ -43,9 +43,14 @@ def test_a_batch_cut_by_a_kill_is_dropped_and_the_part_stays_appendable(tmp_path
     assert len(c) == 2 and c.get([4, 5]) == ([4, 5, 7], 2) and c.get([1, 2]) == ([1, 2, 3], 2)
 
 
-@pytest.mark.parametrize("other, key", [(("other-target", 12, "float32"), "target"),
-                                        (("tiny-target", 16, "float32"), "max_new_tokens"),
-                                        (("tiny-target", 12, "bfloat16"), "dtype")])
+@pytest.mark.parametrize(
+    "other, key",
+    [
+        (("other-target", 12, "float32"), "target"),
+        (("tiny-target", 16, "float32"), "max_new_tokens"),
+        (("tiny-target", 12, "bfloat16"), "dtype"),
+    ],
+)
 def test_replies_of_other_settings_are_refused(tmp_path, other, key):
     Replies(str(tmp_path), *ARGS).add([([1, 2], 1)])
     with pytest.raises(RepliesError, match=f"generated with {key}="):

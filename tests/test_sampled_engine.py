@@ -25,8 +25,10 @@ from specjax.sampling import SamplingArrays, SamplingParams, target_probs
 V = 16
 N_ROWS = 16_000
 PROMPT = [3, 7, 3, 7, 3]
-SETTINGS = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=1),
-            SamplingParams(temperature=0.7, top_k=6, top_p=0.9, max_new_tokens=3, seed=2)]
+SETTINGS = [
+    SamplingParams(temperature=1.0, max_new_tokens=3, seed=1),
+    SamplingParams(temperature=0.7, top_k=6, top_p=0.9, max_new_tokens=3, seed=2),
+]
 WHICH = ["draft_model", "draft_vocab", "draft_gated", "ngram", "ngram_prefix", "dflash", "dflash_tree", "dspark"]
 ALPHA = 1e-3 / (2 * len(SETTINGS) * len(WHICH))
 DRAFT_VOCAB = np.array([0, 2, 3, 5, 7, 8, 11, 14])  # draft tokens: half the vocabulary
@@ -49,8 +51,14 @@ def tiny_dflash(target):
     from specjax.drafters import dflash
 
     c = target.config
-    cfg = dflash.DFlashConfig(dataclasses.replace(c, num_layers=1, qk_norm=True),
-                              dflash.default_target_layers(c.num_layers, 1), c.num_layers, 3, V - 1, logit_scale=3.0)
+    cfg = dflash.DFlashConfig(
+        dataclasses.replace(c, num_layers=1, qk_norm=True),
+        dflash.default_target_layers(c.num_layers, 1),
+        c.num_layers,
+        3,
+        V - 1,
+        logit_scale=3.0,
+    )
     return dflash.DFlashDrafter(2, dflash.init_weights(cfg, seed=2), target)
 
 
@@ -60,9 +68,15 @@ def tiny_dspark(target):
     from specjax.drafters import dflash, dspark
 
     c = target.config
-    cfg = dspark.DSparkConfig(dataclasses.replace(c, num_layers=1, qk_norm=True),
-                              dflash.default_target_layers(c.num_layers, 1), c.num_layers, 2, V - 1, logit_scale=3.0,
-                              markov_rank=4)
+    cfg = dspark.DSparkConfig(
+        dataclasses.replace(c, num_layers=1, qk_norm=True),
+        dflash.default_target_layers(c.num_layers, 1),
+        c.num_layers,
+        2,
+        V - 1,
+        logit_scale=3.0,
+        markov_rank=4,
+    )
     w = dspark.init_weights(cfg, seed=3)
     pure = nnx.to_pure_dict(w.params)
     pure["markov_w1"], pure["markov_w2"] = pure["markov_w1"] * 60.0, pure["markov_w2"] * 60.0
@@ -153,8 +167,9 @@ def test_sampled_speculative_output_has_target_law(models, which, setting):
     elif which == "dspark":  # drafts drawn left to right, each q given the draft before it
         drafter = tiny_dspark(target)
     else:
-        drafter = DraftModelDrafter(2, draft, target.config,
-                                    draft_vocab=DRAFT_VOCAB if which == "draft_vocab" else None)
+        drafter = DraftModelDrafter(
+            2, draft, target.config, draft_vocab=DRAFT_VOCAB if which == "draft_vocab" else None
+        )
     # independent rows: one stream each
     rows = independent_rows(target, sp, drafter=drafter)
     assert all(len(r.token_ids) == 3 for r in rows)
@@ -176,7 +191,7 @@ def test_a_dflash_drafter_with_the_wrong_q_fails_the_law(models):
     class WrongQ(dflash.DFlashDrafter):
         def propose(self, dparams, st, ctx):
             p, st = super().propose(dparams, st, ctx)
-            q = p.q ** 3
+            q = p.q**3
             return p.replace(q=q / jnp.sum(q, axis=-1, keepdims=True)), st
 
     target, _ = models
@@ -196,8 +211,10 @@ def test_a_dspark_drafter_that_reports_q_without_its_markov_bias_fails_the_law(m
         def draft_chain(self, dparams, h, anchor, ctx):
             draft, _, conf = super().draft_chain(dparams, h, anchor, ctx)
             base = self._net(dparams).logits(dparams["head"], h)  # [B, K, N]
-            qs = [draft_token(ctx.seeds, j, base[:, j], dparams["d2t"], V, ctx.sampling, False)[1]
-                  for j in range(self.num_draft)]
+            qs = [
+                draft_token(ctx.seeds, j, base[:, j], dparams["d2t"], V, ctx.sampling, False)[1]
+                for j in range(self.num_draft)
+            ]
             return draft, jnp.stack(qs, axis=1), conf
 
     target, _ = models
@@ -246,8 +263,7 @@ def test_dspark_confidence_scheduled_length_keeps_the_law_only_with_the_early_st
     target, _ = models
     drafter = scheduled_dspark(target, lossy)
     sp = SETTINGS[0]
-    rows = independent_rows(target, sp, drafter=drafter, spec_mode=ALWAYS,
-                                   costs=np.array([1.0, 1.9, 2.0], np.float32))
+    rows = independent_rows(target, sp, drafter=drafter, spec_mode=ALWAYS, costs=np.array([1.0, 1.9, 2.0], np.float32))
     pvalues = law_pvalues(rows, exact_law(target, PROMPT, sp, 3))
     checked = np.sum([r.checked for r in rows], axis=0)
     assert checked[0] > 0 and checked[1] > 0  # both lengths were verified
@@ -258,6 +274,7 @@ def test_dspark_confidence_scheduled_length_keeps_the_law_only_with_the_early_st
 
 
 # ---- per-row random streams (specjax/sampling.py) ----------------------------------------------
+
 
 def test_a_sampled_row_depends_on_its_seed_not_on_its_batch(models):
     """A row draws from its own seed's stream and checks the drafts it would check alone: at
@@ -270,8 +287,12 @@ def test_a_sampled_row_depends_on_its_seed_not_on_its_batch(models):
     row = SamplingParams(temperature=1.0, max_new_tokens=12, seed=77)
     mates = [SamplingParams(temperature=0.7, top_k=6, max_new_tokens=5, seed=3), SamplingParams(max_new_tokens=24)]
     repetitive = [1, 2, 3] * 4  # the greedy mate's n-gram matches make its batches verify
-    drafters = (None, DraftModelDrafter(2, draft, target.config), GatedDraftModel(2, draft, target.config),
-                NgramDrafter(5, max_n=2, long_n=4))
+    drafters = (
+        None,
+        DraftModelDrafter(2, draft, target.config),
+        GatedDraftModel(2, draft, target.config),
+        NgramDrafter(5, max_n=2, long_n=4),
+    )
     for drafter in drafters:
         alone = engine.generate([PROMPT], [row], drafter=drafter)[0]
         batch = engine.generate([[1, 2, 3], repetitive, PROMPT, PROMPT], mates + [row, row], drafter=drafter)
@@ -308,8 +329,13 @@ def test_sampled_law_holds_across_rows_switching_speculation_off_and_on(models):
     target, draft = models
     sp = SETTINGS[0]
     seeded = [dataclasses.replace(sp, seed=7 * N_ROWS + i, max_new_tokens=4) for i in range(N_ROWS)]
-    rows = Engine(target).generate([PROMPT] * N_ROWS, seeded, drafter=DraftModelDrafter(2, draft, target.config),
-                                   spec_mode=AUTO, costs=cost_table(2, 1.6))
+    rows = Engine(target).generate(
+        [PROMPT] * N_ROWS,
+        seeded,
+        drafter=DraftModelDrafter(2, draft, target.config),
+        spec_mode=AUTO,
+        costs=cost_table(2, 1.6),
+    )
     assert all(len(r.token_ids) == 4 for r in rows)
     switched = sum(1 for r in rows if r.checked[0] >= 2 and r.steps > r.checked[0])  # verify, plain, verify
     stayed_on = sum(1 for r in rows if r.checked[0] == r.steps >= 2)  # accepted enough to keep verifying

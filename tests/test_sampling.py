@@ -117,8 +117,14 @@ def test_top_p_keeps_minimal_nucleus_exact_case():
     probs = np.array([0.5, 0.3, 0.1, 0.06, 0.04], np.float32)
     perm = np.array([3, 0, 4, 1, 2])  # token i has probability probs[perm[i]]
     logits = np.log(probs[perm])[None]
-    for p, want in [(0.45, {0.5}), (0.5, {0.5}), (0.75, {0.5, 0.3}), (0.85, {0.5, 0.3, 0.1}),
-                    (0.95, {0.5, 0.3, 0.1, 0.06}), (1.0, set(probs.tolist()))]:
+    for p, want in [
+        (0.45, {0.5}),
+        (0.5, {0.5}),
+        (0.75, {0.5, 0.3}),
+        (0.85, {0.5, 0.3, 0.1}),
+        (0.95, {0.5, 0.3, 0.1, 0.06}),
+        (1.0, set(probs.tolist())),
+    ]:
         x = np.asarray(process_logits(jnp.asarray(logits), arrays(1.0, 0, p, n=1)))[0]
         got = {float(probs[perm[i]]) for i in np.flatnonzero(kept(x))}
         assert got == {float(np.float32(v)) for v in want}, p
@@ -128,10 +134,12 @@ def test_top_p_keeps_minimal_nucleus_random():
     rng = np.random.default_rng(2)
     logits = (rng.standard_normal((64, V)) * 2).astype(np.float32)
     ps = rng.uniform(0.05, 0.99, 64).astype(np.float32)
-    x = np.concatenate([
-        np.asarray(process_logits(jnp.asarray(logits[i : i + ROWS]), arrays(1.0, 0, ps[i : i + ROWS])))
-        for i in range(0, 64, ROWS)
-    ])
+    x = np.concatenate(
+        [
+            np.asarray(process_logits(jnp.asarray(logits[i : i + ROWS]), arrays(1.0, 0, ps[i : i + ROWS])))
+            for i in range(0, 64, ROWS)
+        ]
+    )
     checked = 0
     for r in range(64):
         mass = np.cumsum(np.sort(softmax_np(logits[r]))[::-1])

@@ -32,10 +32,20 @@ openai = pytest.importorskip("openai")
 NAME = "tiny-chat"
 # Speculation is cheap alone and far too expensive at 2 rows: K must fall under load.
 COSTS = {1: {0: 1.0, 3: 1.05}, 2: {0: 1.0, 3: 6.0}}
-PROMPTS = ["Tell me about the sea.", "Write a haiku about autumn leaves.", "What is 2 + 2?",
-           "List three colours.", "Describe a cat.", "Why is the sky blue?", "Name a river in Europe.",
-           "Say hello in French.", "Count to five.", "What is a prime number?", "Give me a recipe.",
-           "Explain gravity briefly."]
+PROMPTS = [
+    "Tell me about the sea.",
+    "Write a haiku about autumn leaves.",
+    "What is 2 + 2?",
+    "List three colours.",
+    "Describe a cat.",
+    "Why is the sky blue?",
+    "Name a river in Europe.",
+    "Say hello in French.",
+    "Count to five.",
+    "What is a prime number?",
+    "Give me a recipe.",
+    "Explain gravity briefly.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +63,16 @@ def start(model, sched: Scheduler, name: str):
 @pytest.fixture(scope="module")
 def server(chat_dir):
     model = specjax.load_model(chat_dir, dtype="float32")
-    cfg = ServingConfig(buckets=(1, 2), ks=(0, 3), chunk_steps=4, max_seq_len=128, step_costs=COSTS,
-                        calibrate_costs=False, min_run_steps=2, api_keys={"sk-batch": "batch"}).validate()
+    cfg = ServingConfig(
+        buckets=(1, 2),
+        ks=(0, 3),
+        chunk_steps=4,
+        max_seq_len=128,
+        step_costs=COSTS,
+        calibrate_costs=False,
+        min_run_steps=2,
+        api_keys={"sk-batch": "batch"},
+    ).validate()
     sched = build_scheduler(model, "ngram", cfg)
     srv = start(model, sched, NAME)
     yield types.SimpleNamespace(url=srv.url, sched=sched, model=model, dir=chat_dir)
@@ -80,12 +98,18 @@ def test_openai_client_matches_specjax_generate(server):
     chat_ref = cli_generate(server.dir, PROMPTS[:2], 20, raw=False)
     raw_ref = cli_generate(server.dir, PROMPTS[2:4], 20, raw=True)
     for prompt, ref in zip(PROMPTS[:2], chat_ref):
-        r = oa.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=20,
-                                       temperature=0)
+        r = oa.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=20, temperature=0
+        )
         assert r.choices[0].message.content == ref and r.choices[0].message.role == "assistant"
-        stream = oa.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
-                                            max_tokens=20, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+        stream = oa.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = list(stream)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref
         usage = chunks[-1].usage.model_dump()
@@ -96,13 +120,15 @@ def test_openai_client_matches_specjax_generate(server):
     for prompt, ref in zip(PROMPTS[2:4], raw_ref):
         r = oa.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0)
         assert r.choices[0].text == ref
-        stop = ref[len(ref) // 2: len(ref) // 2 + 3]
+        stop = ref[len(ref) // 2 : len(ref) // 2 + 3]
         if stop.strip():  # a stop string ends the text right before it
             s = oa.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
             assert s.choices[0].text == ref[: ref.index(stop)] and s.choices[0].finish_reason == "stop"
         assert r.usage.model_dump()["specjax"]["steps"] >= 1
-        streamed = "".join(c.choices[0].text for c in oa.completions.create(
-            model=NAME, prompt=prompt, max_tokens=20, temperature=0, stream=True))
+        streamed = "".join(
+            c.choices[0].text
+            for c in oa.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0, stream=True)
+        )
         assert streamed == ref
     assert server.sched.engine.compiles_after_warmup == 0
 
@@ -111,11 +137,14 @@ def test_unseeded_requests_draw_independent_streams_and_seeded_ones_repeat(serve
     """Without a seed every request draws a fresh seed (it used to be seed 0 for every request);
     with one, a request repeats its text whatever else is being served."""
     oa = client(server.url)
-    first = [oa.completions.create(model=NAME, prompt="Hi", max_tokens=1, temperature=1.0).choices[0].text
-             for _ in range(4)]
+    first = [
+        oa.completions.create(model=NAME, prompt="Hi", max_tokens=1, temperature=1.0).choices[0].text for _ in range(4)
+    ]
     assert len(set(first)) > 1, first  # a near-uniform random model: 4 equal draws ~ 1e-13
-    seeded = [oa.completions.create(model=NAME, prompt="Hi", max_tokens=8, temperature=1.0, seed=2**40 + 7)
-              .choices[0].text for _ in range(2)]
+    seeded = [
+        oa.completions.create(model=NAME, prompt="Hi", max_tokens=8, temperature=1.0, seed=2**40 + 7).choices[0].text
+        for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]
 
 
@@ -137,17 +166,24 @@ def test_models_health_metrics_and_classes(server):
     assert cls_of(key="sk-batch", extra_body={"latency_class": "interactive"}) == "interactive"
     assert cls_of(base=server.url + "/batch") == "batch"  # route
     text = httpx.get(server.url + "/metrics").text
-    for series in ("specjax_steps_total", "specjax_requests_total", "specjax_queue_depth", "specjax_running_batch",
-                   "specjax_num_draft", "specjax_time_to_first_token_seconds_bucket",
-                   "specjax_inter_token_latency_seconds_count", "specjax_mean_accepted_length",
-                   "specjax_speculation_enabled"):
+    for series in (
+        "specjax_steps_total",
+        "specjax_requests_total",
+        "specjax_queue_depth",
+        "specjax_running_batch",
+        "specjax_num_draft",
+        "specjax_time_to_first_token_seconds_bucket",
+        "specjax_inter_token_latency_seconds_count",
+        "specjax_mean_accepted_length",
+        "specjax_speculation_enabled",
+    ):
         assert series in text, series
     assert 'specjax_requests_total{class="batch",status="finished"}' in text
 
 
 BAD = [
     (b'{"model": "tiny-chat", "prompt": "hi"', "malformed JSON"),
-    (b'[1, 2]', "JSON object"),
+    (b"[1, 2]", "JSON object"),
     ({"model": "gpt-4", "prompt": "hi"}, "not served"),
     ({"prompt": "hi"}, "'model' is required"),
     ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
@@ -173,10 +209,11 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server):
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
         assert needle in err["message"] and err["type"] == "invalid_request_error", (needle, err)
-    for body, needle in [({"model": NAME, "messages": []}, "messages"),
-                         ({"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
-                         ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
-                          "max_tokens")]:
+    for body, needle in [
+        ({"model": NAME, "messages": []}, "messages"),
+        ({"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+    ]:
         r = httpx.post(server.url + "/v1/chat/completions", json=body)
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
     assert httpx.get(server.url + "/v1/nothing").status_code == 404
@@ -203,8 +240,15 @@ def test_client_disconnect_frees_its_row(server, monkeypatch):
         return run_chunk(*a, **kw)
 
     monkeypatch.setattr(server.sched.engine, "run_chunk", slow_chunk)
-    body = {"model": NAME, "prompt": "Go on forever", "max_tokens": 100, "ignore_eos": True, "temperature": 0,
-            "stream": True, "latency_class": "batch"}
+    body = {
+        "model": NAME,
+        "prompt": "Go on forever",
+        "max_tokens": 100,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "latency_class": "batch",
+    }
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", server.url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -230,8 +274,10 @@ def test_load_two_classes(server):
     model = server.model
     ids = [encode_prompt(model, p) for p in PROMPTS]
     sp = SamplingParams(max_new_tokens=n_tok, ignore_eos=True)
-    ref = [model.tokenizer.decode(r.token_ids, skip_special_tokens=True)
-           for r in Engine(model).generate(ids, [sp] * len(ids))]
+    ref = [
+        model.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+        for r in Engine(model).generate(ids, [sp] * len(ids))
+    ]
     seq = 0
     lock = threading.Lock()
     results, errors = [], []
@@ -245,9 +291,16 @@ def test_load_two_classes(server):
                     return
                 with lock:
                     i, seq = seq % len(PROMPTS), seq + 1
-                body = {"model": NAME, "messages": [{"role": "user", "content": PROMPTS[i]}], "max_tokens": n_tok,
-                        "temperature": 0, "ignore_eos": True, "stream": True, "latency_class": cls,
-                        "stream_options": {"include_usage": True}}
+                body = {
+                    "model": NAME,
+                    "messages": [{"role": "user", "content": PROMPTS[i]}],
+                    "max_tokens": n_tok,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "latency_class": cls,
+                    "stream_options": {"include_usage": True},
+                }
                 parts, usage, rid = [], None, None
                 with c.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
                     if r.status_code != 200:
@@ -282,18 +335,24 @@ def test_load_two_classes(server):
     def mean(cls, field):  # as the server measured them (token emission times, no HTTP jitter)
         return statistics.mean(r["usage"]["specjax"][field] for r in results if r["cls"] == cls)
 
-    lat = {(c, f): mean(c, f) for c in ("interactive", "batch") for f in ("time_to_first_token",
-                                                                        "inter_token_latency")}
+    lat = {(c, f): mean(c, f) for c in ("interactive", "batch") for f in ("time_to_first_token", "inter_token_latency")}
     print("load test latencies (s):", lat)
     assert lat["interactive", "time_to_first_token"] < lat["batch", "time_to_first_token"], lat
     assert lat["interactive", "inter_token_latency"] < lat["batch", "inter_token_latency"], lat
     assert sum(r["usage"]["specjax"]["preemptions"] for r in results if r["cls"] == "batch") > 0
     # K under load and after: alone again, a request speculates
     solo = client(server.url).chat.completions.create(
-        model=NAME, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=24, temperature=0,
-        extra_body={"ignore_eos": True})
-    ks = [(d["bucket"], d["k"]) for d in httpx.get(server.url + "/specjax/decisions").json()["decisions"]
-          if d["kind"] == "k"]
+        model=NAME,
+        messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    ks = [
+        (d["bucket"], d["k"])
+        for d in httpx.get(server.url + "/specjax/decisions").json()["decisions"]
+        if d["kind"] == "k"
+    ]
     assert (2, 0) in ks, ks
     assert "3" in solo.usage.model_dump()["specjax"]["steps_by_k"]
     assert sum(r["usage"]["specjax"]["steps_by_k"].get("0", 0) for r in results) > 0
@@ -307,18 +366,24 @@ def test_real_model_openai_matches_generate_with_k_switching(default_model):
     prompt = "Write a Python function that reverses a string."
     ref_chat = cli_generate(None, [prompt], 24, raw=False)[0]
     ref_raw = specjax.generate("def fibonacci(n):", model=default_model, max_new_tokens=24, raw=True)[0].text
-    engine = SlotEngine(default_model, make_drafter("ngram", 3, default_model), ks=(0, 3), buckets=(1,),
-                        max_seq_len=128)
+    engine = SlotEngine(
+        default_model, make_drafter("ngram", 3, default_model), ks=(0, 3), buckets=(1,), max_seq_len=128
+    )
     engine.warmup(measure=False)
     cfg = ServingConfig(buckets=(1,), ks=(0, 3), chunk_steps=2, max_seq_len=128, step_costs={1: {0: 1.0, 3: 1.0}})
     flip = iter(range(10**6))
-    sched = Scheduler(engine, cfg.validate(), eos_ids=default_model.config.eos_token_ids,
-                      k_override=lambda b, rows: 3 * (next(flip) % 2))
+    sched = Scheduler(
+        engine,
+        cfg.validate(),
+        eos_ids=default_model.config.eos_token_ids,
+        k_override=lambda b, rows: 3 * (next(flip) % 2),
+    )
     srv = start(default_model, sched, "smollm2")
     try:
         oa = client(srv.url)
-        r = oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": prompt}],
-                                       max_tokens=24, temperature=0)
+        r = oa.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0
+        )
         assert r.choices[0].message.content == ref_chat
         assert set(r.usage.model_dump()["specjax"]["steps_by_k"]) == {"0", "3"}
         c = oa.completions.create(model="smollm2", prompt="def fibonacci(n):", max_tokens=24, temperature=0)
@@ -332,9 +397,12 @@ def test_real_model_openai_matches_generate_with_k_switching(default_model):
 
 
 def test_deeply_nested_json_is_a_400(server):
-    for body in (b"[" * 100_000, b'{"model": "tiny-chat", "prompt": ' + b"[" * 50_000 + b"}",
-                 b'{"model": "tiny-chat", "prompt": "hi", "temperature": ' + b"[" * 900 + b"]" * 900 + b"}",
-                 b'{"model": "tiny-chat", "prompt": "hi", "seed": 1' + b"0" * 5000 + b"}"):
+    for body in (
+        b"[" * 100_000,
+        b'{"model": "tiny-chat", "prompt": ' + b"[" * 50_000 + b"}",
+        b'{"model": "tiny-chat", "prompt": "hi", "temperature": ' + b"[" * 900 + b"]" * 900 + b"}",
+        b'{"model": "tiny-chat", "prompt": "hi", "seed": 1' + b"0" * 5000 + b"}",
+    ):
         for route in ("/v1/completions", "/v1/chat/completions"):
             r = httpx.post(server.url + route, content=body, headers={"Content-Type": "application/json"})
             assert r.status_code == 400, (body[:60], r.text[:300])
@@ -364,8 +432,9 @@ def test_health_answers_while_a_large_prompt_is_tokenized(server):
 
     def send():
         t0 = time.monotonic()
-        result["r"] = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": prompt,
-                                                                        "max_tokens": 4}, timeout=120)
+        result["r"] = httpx.post(
+            server.url + "/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 4}, timeout=120
+        )
         result["seconds"] = time.monotonic() - t0
         done.set()
 
@@ -377,16 +446,19 @@ def test_health_answers_while_a_large_prompt_is_tokenized(server):
         if not done.is_set():
             during.append(time.monotonic() - t0)
         time.sleep(0.05)
-    print(f"large prompt answered in {result['seconds']:.1f} s; /health meanwhile: {len(during)} polls, "
-          f"slowest {max(during, default=0):.3f} s")
+    print(
+        f"large prompt answered in {result['seconds']:.1f} s; /health meanwhile: {len(during)} polls, "
+        f"slowest {max(during, default=0):.3f} s"
+    )
     assert result["r"].status_code == 400 and "context" in result["r"].json()["error"]["message"]
     assert during and max(during) < 1.0, during
 
 
 def test_lone_surrogate_prompt_is_not_called_a_template_error(server):
-    for route, body in (("/v1/completions", b'{"model": "tiny-chat", "prompt": "a\\ud800b"}'),
-                        ("/v1/chat/completions", b'{"model": "tiny-chat", "messages": [{"role": "user", '
-                                                 b'"content": "\\udcff"}]}')):
+    for route, body in (
+        ("/v1/completions", b'{"model": "tiny-chat", "prompt": "a\\ud800b"}'),
+        ("/v1/chat/completions", b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "\\udcff"}]}'),
+    ):
         r = httpx.post(server.url + route, content=body, headers={"Content-Type": "application/json"})
         msg = r.json()["error"]["message"]
         assert r.status_code == 400 and "not valid UTF-8 text" in msg and "template" not in msg, msg
@@ -403,6 +475,7 @@ def test_control_token_strings_in_chat_content_are_text(server):
         msgs = [{"role": role, "content": inject}] + ([{"role": "user", "content": "ok"}] if role == "system" else [])
         r = client(server.url).chat.completions.create(model=NAME, messages=msgs, max_tokens=1, temperature=0)
         as_text = encode_chat(tok, msgs)
-        as_control = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
-                         add_special_tokens=False).input_ids
+        as_control = tok(
+            tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+        ).input_ids
         assert r.usage.prompt_tokens == len(as_text) != len(as_control)

@@ -60,8 +60,9 @@ def target():
 
 @pytest.fixture(scope="module")
 def engine(target):
-    e = SlotEngine(target, HotRandomDrafter(max(KS), target, target.config), ks=KS, buckets=BUCKETS,
-                   max_seq_len=MAX_SEQ)
+    e = SlotEngine(
+        target, HotRandomDrafter(max(KS), target, target.config), ks=KS, buckets=BUCKETS, max_seq_len=MAX_SEQ
+    )
     e.warmup(measure=True)
     return e
 
@@ -74,8 +75,15 @@ def prompts():
 
 def config(**kw) -> ServingConfig:
     # The tests give synthetic step costs (the scenario under test): not calibrated to this machine.
-    base = dict(buckets=BUCKETS, ks=KS, chunk_steps=2, step_costs=COSTS, min_run_steps=2, max_seq_len=MAX_SEQ,
-                calibrate_costs=False)
+    base = dict(
+        buckets=BUCKETS,
+        ks=KS,
+        chunk_steps=2,
+        step_costs=COSTS,
+        min_run_steps=2,
+        max_seq_len=MAX_SEQ,
+        calibrate_costs=False,
+    )
     base.update(kw)
     return ServingConfig(**base).validate()
 
@@ -108,8 +116,12 @@ def test_seeded_sampled_requests_equal_their_solo_run(engine, target, prompts):
     """Each row draws from its own seed's stream: seeded sampled requests, served together in
     1-step chunks with preemption and bucket changes (plain steps), emit what each emits alone
     through `Engine.generate`."""
-    sps = [SamplingParams(temperature=1.0 + 0.1 * (i % 3), top_k=(0, 8)[i % 2], max_new_tokens=16,
-                          ignore_eos=True, seed=100 + i) for i in range(len(prompts))]
+    sps = [
+        SamplingParams(
+            temperature=1.0 + 0.1 * (i % 3), top_k=(0, 8)[i % 2], max_new_tokens=16, ignore_eos=True, seed=100 + i
+        )
+        for i in range(len(prompts))
+    ]
     solo = [Engine(target).generate([p], [sp])[0].token_ids for p, sp in zip(prompts, sps)]
     sched = Scheduler(engine, config(chunk_steps=1), k_override=lambda b, rows: 0)
     reqs = []
@@ -193,8 +205,9 @@ def test_tree_serving_is_token_identical_across_tree_sizes(target, prompts):
     ref = [r.token_ids for r in Engine(target).generate(prompts[:5], [sp] * 5)]
     rng = np.random.RandomState(2)
     costs = {b: {0: 1.0, 2: 1.1, 6: 1.2} for b in BUCKETS}
-    sched = Scheduler(e, config(chunk_steps=1, ks=(0, 2, 6), step_costs=costs),
-                      k_override=lambda b, rows: int(rng.choice((0, 2, 6))))
+    sched = Scheduler(
+        e, config(chunk_steps=1, ks=(0, 2, 6), step_costs=costs), k_override=lambda b, rows: int(rng.choice((0, 2, 6)))
+    )
     reqs = [sched.submit(Request(p, sp, "batch")) for p in prompts[:5]]
     drain(sched, reqs)
     for r, want in zip(reqs, ref):
@@ -260,8 +273,11 @@ def test_step_costs_calibrate_to_the_chunks_run(engine, prompts):
     for b, k in ran:
         assert 0.05 < sched.costs.scale(b, k) < 20  # wall time of real chunks against warm-up's
         assert sched.costs.cost(b, k) == pytest.approx(engine.step_costs[b][k] * sched.costs.scale(b, k))
-        line = next(x for x in sched.metrics.render().splitlines()
-                    if x.startswith(f'specjax_expected_step_seconds{{bucket="{b}",k="{k}"}}'))
+        line = next(
+            x
+            for x in sched.metrics.render().splitlines()
+            if x.startswith(f'specjax_expected_step_seconds{{bucket="{b}",k="{k}"}}')
+        )
         assert float(line.split()[-1]) == pytest.approx(sched.costs.cost(b, k), rel=1e-3)
     assert sched.costs.to_dict() == {
         str(b): {str(k): c for k, c in row.items()} for b, row in engine.step_costs.items()
@@ -304,8 +320,7 @@ def test_fallback_switches_off_and_back_on(engine, prompts):
     assert sched.monitor.spec_on("interactive")  # per class
     sched.cancel(reqs[0].id)
     sched.cancel(reqs[1].id)
-    cool = [sched.submit(Request(p, SamplingParams(max_new_tokens=30, ignore_eos=True), "batch"))
-            for p in prompts[2:4]]
+    cool = [sched.submit(Request(p, SamplingParams(max_new_tokens=30, ignore_eos=True), "batch")) for p in prompts[2:4]]
     drain(sched, cool)
     kinds = [d["kind"] for d in sched.log.recent()]
     assert kinds.index("spec_off") < kinds.index("probe") < kinds.index("spec_on"), kinds
@@ -423,8 +438,12 @@ def test_policy_prices_k_on_lowered_acceptance():
     assert Estimate(1.0, [0.9], 3, [3]).lower(1.0).acceptance == [0.0]  # < 4 checks: nothing
     assert pol.choose(1, {"batch": 1}, 0, {"batch": young}, on, (), 0).k == 0
     assert pol.choose(1, {"batch": 1}, 0, {"batch": old}, on, (), 0).k == 3
-    assert _policy(costs, margin=0.0, ks=(0, 3), confidence_z=0.0).choose(
-        1, {"batch": 1}, 0, {"batch": young}, on, (), 0).k == 3
+    assert (
+        _policy(costs, margin=0.0, ks=(0, 3), confidence_z=0.0)
+        .choose(1, {"batch": 1}, 0, {"batch": young}, on, (), 0)
+        .k
+        == 3
+    )
 
 
 def test_load_bench_clients_run_fixed_work_and_summary_takes_medians():
@@ -441,10 +460,20 @@ def test_load_bench_clients_run_fixed_work_and_summary_takes_medians():
     assert orders[:2] == [modes, modes[::-1]] and all(sorted(o) == modes for o in orders)
     for m in modes:  # balanced: each mode's mean position over an even number of repeats is the middle
         assert sum(o.index(m) for o in orders) == 4 and sum(o.index(m) for o in orders[:2]) == 2
-    pts = [{"clients": 2, "mode": m, "tokens_per_second": v, "repeat": r}
-           for m, r, v in [("never", 0, 10.0), ("never", 1, 12.0), ("never", 2, 11.0), ("rules", 0, 10.5),
-                           ("rules", 1, 11.5), ("rules", 2, 11.0), ("always", 0, 8.0), ("always", 1, 12.5),
-                           ("always", 2, 8.1)]]
+    pts = [
+        {"clients": 2, "mode": m, "tokens_per_second": v, "repeat": r}
+        for m, r, v in [
+            ("never", 0, 10.0),
+            ("never", 1, 12.0),
+            ("never", 2, 11.0),
+            ("rules", 0, 10.5),
+            ("rules", 1, 11.5),
+            ("rules", 2, 11.0),
+            ("always", 0, 8.0),
+            ("always", 1, 12.5),
+            ("always", 2, 8.1),
+        ]
+    ]
     (s,) = loadbench.summarize(pts)
     assert s["never_tok_s"] == 11.0 and s["rules_tok_s"] == 11.0 and s["repeats"] == 3
     assert s["noise"] == pytest.approx(4.5 / 8.1) and s["rules_vs_best_fixed"] == 1.0 and s["rules_vs_plain"] == 1.0

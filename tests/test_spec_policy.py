@@ -23,9 +23,11 @@ from specjax.prompts import encode_prompt
 from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingParams
 
-PROMPTS = ["Write a Python function that checks whether a number is prime.",
-           "What are three tips for staying healthy?",
-           'Repeat the sentence "the cat sat on the mat" five times.']
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "What are three tips for staying healthy?",
+    'Repeat the sentence "the cat sat on the mat" five times.',
+]
 
 
 class RandomDrafter(Drafter):
@@ -55,22 +57,35 @@ def real(default_model):
 def test_auto_policy_greedy_is_token_identical_to_plain(default_model, real, kind, k):
     """A cost table under which rows switch (a verify of K drafts costs 2 plain steps)."""
     engine, ids, plain = real
-    rows = engine.generate(ids, [SamplingParams(max_new_tokens=40)] * len(ids),
-                           eos_ids=default_model.config.eos_token_ids, drafter=make_drafter(kind, k, default_model),
-                           spec_mode=policy_rows.AUTO, costs=policy_costs.cost_table(k, 2.0))
+    rows = engine.generate(
+        ids,
+        [SamplingParams(max_new_tokens=40)] * len(ids),
+        eos_ids=default_model.config.eos_token_ids,
+        drafter=make_drafter(kind, k, default_model),
+        spec_mode=policy_rows.AUTO,
+        costs=policy_costs.cost_table(k, 2.0),
+    )
     for r, p in zip(rows, plain):
         assert r.token_ids == p.token_ids
         assert 0 <= r.checked[0] <= r.steps
 
 
 def test_never_accepted_drafter_verifies_on_a_few_percent_of_steps():
-    cfg = tiny(vocab_size=64, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
-               max_position_embeddings=1024)
+    cfg = tiny(
+        vocab_size=64,
+        hidden_size=32,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        max_position_embeddings=1024,
+    )
     engine = Engine(random_model(cfg, seed=0))
     costs = policy_costs.cost_table(4, 1.8)
     params = [SamplingParams(max_new_tokens=600, ignore_eos=True)] * 2
-    rows = engine.generate([[1, 2, 3], [4, 5]], params, drafter=RandomDrafter(4, 64), spec_mode=policy_rows.AUTO,
-                           costs=costs)
+    rows = engine.generate(
+        [[1, 2, 3], [4, 5]], params, drafter=RandomDrafter(4, 64), spec_mode=policy_rows.AUTO, costs=costs
+    )
     always = engine.generate([[1, 2, 3], [4, 5]], params, drafter=RandomDrafter(4, 64))
     for r, a in zip(rows, always):
         assert r.token_ids == a.token_ids  # greedy: the policy never changes the text
@@ -87,8 +102,13 @@ def test_well_accepted_drafter_keeps_verifying():
     engine = Engine(target)
     params = [SamplingParams(max_new_tokens=64, ignore_eos=True)]
     ref = engine.generate([[1, 2]], params)[0].token_ids
-    row = engine.generate([[1, 2]], params, drafter=DraftModelDrafter(3, target, target.config),
-                          spec_mode=policy_rows.AUTO, costs=policy_costs.cost_table(3, 2.5))[0]
+    row = engine.generate(
+        [[1, 2]],
+        params,
+        drafter=DraftModelDrafter(3, target, target.config),
+        spec_mode=policy_rows.AUTO,
+        costs=policy_costs.cost_table(3, 2.5),
+    )[0]
     assert row.token_ids == ref
     assert row.checked[0] == row.steps and sum(row.accepted) == sum(row.checked)
 
@@ -117,7 +137,7 @@ def test_policy_rule_on_observations():
     gaps = np.diff(probes)
     assert probes[:6] == [0, 2, 6, 12, 24, 48], probes
     assert np.all(np.diff(gaps) >= 0) and gaps.max() <= 2 * policy_rows.MAX_WAIT
-    assert all(p % min(2 ** i, policy_rows.MAX_WAIT) == 0 for i, p in enumerate(probes[1:]))
+    assert all(p % min(2**i, policy_rows.MAX_WAIT) == 0 for i, p in enumerate(probes[1:]))
     assert len(probes) / 700 < 0.02
     assert not bool(on[3])  # a done row never verifies
     assert policy_rows.plan(pol.replace(mode=jnp.asarray(policy_rows.ALWAYS)), live, steps).tolist() == live.tolist()
@@ -145,10 +165,17 @@ def test_skipping_proposals_leaves_every_decision_unchanged(default_model, real)
         always_proposes = copy.copy(d)
         always_proposes.proposal_optional = False
         table = policy_costs.cost_table(k, 2.0)
-        got = engine.generate(ids, params, eos_ids=default_model.config.eos_token_ids, drafter=d,
-                              spec_mode=policy_rows.AUTO, costs=table)
-        ref = engine.generate(ids, params, eos_ids=default_model.config.eos_token_ids, drafter=always_proposes,
-                              spec_mode=policy_rows.AUTO, costs=table)
+        got = engine.generate(
+            ids, params, eos_ids=default_model.config.eos_token_ids, drafter=d, spec_mode=policy_rows.AUTO, costs=table
+        )
+        ref = engine.generate(
+            ids,
+            params,
+            eos_ids=default_model.config.eos_token_ids,
+            drafter=always_proposes,
+            spec_mode=policy_rows.AUTO,
+            costs=table,
+        )
         for g, r, p in zip(got, ref, plain):
             assert g.token_ids == r.token_ids == p.token_ids, kind
             assert (g.steps, g.checked, g.accepted) == (r.steps, r.checked, r.accepted), kind
@@ -162,8 +189,9 @@ def test_generate_auto_measures_costs_once_and_caches_them_on_disk(default_model
     engine, ids, plain = real
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
     monkeypatch.setattr(policy_costs, "_COSTS", {})
-    out = specjax.generate(PROMPTS[:1], model=default_model, sampling=SamplingParams(max_new_tokens=40),
-                           drafter="ngram", num_draft=4)
+    out = specjax.generate(
+        PROMPTS[:1], model=default_model, sampling=SamplingParams(max_new_tokens=40), drafter="ngram", num_draft=4
+    )
     assert out[0].token_ids == plain[0].token_ids
     assert out[0].stats.spec_policy == "auto" and 0 <= out[0].stats.verified_steps <= out[0].stats.steps
     stored = json.loads((tmp_path / "step-costs.json").read_text())
@@ -173,8 +201,9 @@ def test_generate_auto_measures_costs_once_and_caches_them_on_disk(default_model
     monkeypatch.setattr(policy_costs, "_COSTS", {})  # a new process: only the file remains
     monkeypatch.setattr(engine, "generate", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured again")))
     drafter = make_drafter("ngram", 4, default_model)
-    table = policy_costs.measure_costs(engine, ids[:1], [SamplingParams(max_new_tokens=40)],
-                                     default_model.config.eos_token_ids, drafter, "ngram")
+    table = policy_costs.measure_costs(
+        engine, ids[:1], [SamplingParams(max_new_tokens=40)], default_model.config.eos_token_ids, drafter, "ngram"
+    )
     assert table.shape == (5,) and table[0] == 1.0 and table[-1] == pytest.approx(stored[key])
     assert np.all(np.diff(table) >= 0)
     with pytest.raises(specjax.InvalidSamplingError, match="spec_policy"):

@@ -36,8 +36,11 @@ def prompt_ids(default_model):
 
 @pytest.fixture(scope="module")
 def plain(engine, prompt_ids, default_model):
-    rows = engine.generate(prompt_ids, [SamplingParams(max_new_tokens=MAX_NEW)] * len(prompt_ids),
-                           eos_ids=default_model.config.eos_token_ids)
+    rows = engine.generate(
+        prompt_ids,
+        [SamplingParams(max_new_tokens=MAX_NEW)] * len(prompt_ids),
+        eos_ids=default_model.config.eos_token_ids,
+    )
     return [r.token_ids for r in rows]
 
 
@@ -48,8 +51,12 @@ def draft_dir(default_model, tmp_path_factory):
 
 
 def run(engine, prompt_ids, default_model, drafter):
-    rows = engine.generate(prompt_ids, [SamplingParams(max_new_tokens=MAX_NEW)] * len(prompt_ids),
-                           eos_ids=default_model.config.eos_token_ids, drafter=drafter)
+    rows = engine.generate(
+        prompt_ids,
+        [SamplingParams(max_new_tokens=MAX_NEW)] * len(prompt_ids),
+        eos_ids=default_model.config.eos_token_ids,
+        drafter=drafter,
+    )
     return rows
 
 

@@ -37,8 +37,14 @@ def test_generate_reads_its_stats_from_it(default_model):
     import specjax
     from specjax.sampling import SamplingParams
 
-    (res,) = specjax.generate(["def fib(n):"], default_model, SamplingParams(max_new_tokens=24, ignore_eos=True),
-                              drafter="ngram", num_draft=3, raw=True)
+    (res,) = specjax.generate(
+        ["def fib(n):"],
+        default_model,
+        SamplingParams(max_new_tokens=24, ignore_eos=True),
+        drafter="ngram",
+        num_draft=3,
+        raw=True,
+    )
     s = res.stats
     assert s.mean_accepted_length == pytest.approx((len(res.token_ids) - 1) / s.steps)
     assert len(s.per_position_acceptance) == 3 and s.verified_steps <= s.steps

@@ -86,8 +86,9 @@ def test_recipe_errors_name_the_key(tmp_path):
 def test_cli_bad_recipe_is_one_line_exit_2(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text("drafter: eagle3\nout_dir: x\ndata: {}\noptim: {}\n")
-    out = subprocess.run(specjax_cli_cmd() + ["train", "--config", str(p)],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    out = subprocess.run(
+        specjax_cli_cmd() + ["train", "--config", str(p)], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == ["specjax: error: the recipe is missing the key 'model'"]
     from specjax.cli import main
@@ -106,7 +107,8 @@ def test_killed_training_resumes_on_the_same_curve(tiny_target_dir, tmp_path):
     """SIGKILL a real `specjax train` mid-run, rerun the same command: the loss curve continues
     exactly as in an uninterrupted run, and the drafter is exported."""
     recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(textwrap.dedent(f"""
+    recipe.write_text(
+        textwrap.dedent(f"""
         drafter: eagle3
         target: {tiny_target_dir}
         out_dir: OUT
@@ -114,7 +116,8 @@ def test_killed_training_resumes_on_the_same_curve(tiny_target_dir, tmp_path):
                seq_len: 80, gen_batch_size: 12, feature_batch_size: 4}}
         model: {{draft_vocab_size: 256, target_layers: [0, 1, 3], ttt_steps: 2, eval_k: 2}}
         optim: {{steps: 14, batch_size: 4, lr: 0.001, warmup_steps: 2, checkpoint_every: 3, eval_every: 7}}
-    """))
+    """)
+    )
     env = dict(os.environ, JAX_PLATFORMS="cpu")
 
     def cmd(out):
@@ -172,9 +175,12 @@ def test_simulated_path_mal_is_the_engines_greedy_mal(default_model, tmp_path):
     task = Eagle3Task(default_model, store.counts, eval_k=k)
     task.d2t, task.graphdef = drafter.weights.d2t, drafter.weights.graphdef  # the shipped drafter's maps
     sim = task.evaluate(drafter.weights.params, store)
-    rows = Engine(default_model).generate([ids[:p] for ids, p in seqs],
-                                          [SamplingParams(max_new_tokens=len(ids) - p) for ids, p in seqs],
-                                          drafter=drafter, eos_ids=default_model.config.eos_token_ids)
+    rows = Engine(default_model).generate(
+        [ids[:p] for ids, p in seqs],
+        [SamplingParams(max_new_tokens=len(ids) - p) for ids, p in seqs],
+        drafter=drafter,
+        eos_ids=default_model.config.eos_token_ids,
+    )
     assert [r.token_ids for r in rows] == [ids[p:] for ids, p in seqs]
     engine_mal = sum(len(r.token_ids) - 1 for r in rows) / sum(r.steps for r in rows)  # token 1: prefill
     assert abs(sim["path_mal"] - engine_mal) < 0.06, (sim, engine_mal)
@@ -183,15 +189,25 @@ def test_simulated_path_mal_is_the_engines_greedy_mal(default_model, tmp_path):
     assert sim["path_steps"] > 0.9 * sum(r.steps for r in rows)
 
 
-@pytest.mark.parametrize("override, match", [
-    ("optim.steps=-5", "optim.steps must be >= 1"), ("optim.steps=0", "optim.steps must be >= 1"),
-    ("optim.lr=-1", "optim.lr must be > 0"), ("optim.lr=0", "optim.lr must be > 0"),
-    ("optim.lr=.nan", "optim.lr must be a finite number"), ("optim.batch_size=0", "optim.batch_size must be >= 1"),
-    ("optim.end_lr_fraction=2", "in [0, 1]"), ("optim.clip=0", "optim.clip must be > 0"),
-    ("optim.steps=true", "optim.steps must be int"), ("data.num_prompts=0", "data.num_prompts must be >= 1"),
-    ("data.seq_len=16", "must exceed data.max_prompt_tokens"), ("data.seed=-1", "data.seed must be"),
-    ("export_dtype=int8", "export_dtype must be one of"), ("data.source=7", "data.source must be a string"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("optim.steps=-5", "optim.steps must be >= 1"),
+        ("optim.steps=0", "optim.steps must be >= 1"),
+        ("optim.lr=-1", "optim.lr must be > 0"),
+        ("optim.lr=0", "optim.lr must be > 0"),
+        ("optim.lr=.nan", "optim.lr must be a finite number"),
+        ("optim.batch_size=0", "optim.batch_size must be >= 1"),
+        ("optim.end_lr_fraction=2", "in [0, 1]"),
+        ("optim.clip=0", "optim.clip must be > 0"),
+        ("optim.steps=true", "optim.steps must be int"),
+        ("data.num_prompts=0", "data.num_prompts must be >= 1"),
+        ("data.seq_len=16", "must exceed data.max_prompt_tokens"),
+        ("data.seed=-1", "data.seed must be"),
+        ("export_dtype=int8", "export_dtype must be one of"),
+        ("data.source=7", "data.source must be a string"),
+    ],
+)
 def test_recipe_values_are_range_checked(tmp_path, override, match):
     p = tmp_path / "r.yaml"
     p.write_text("drafter: eagle3\nout_dir: x\ndata: {}\nmodel: {}\noptim: {}\n")
@@ -199,10 +215,14 @@ def test_recipe_values_are_range_checked(tmp_path, override, match):
         load_recipe(str(p), [override])
 
 
-@pytest.mark.parametrize("override, match", [
-    ("optim.steps=-5", "optim.steps must be >= 1"), ("model.ttt_step=2", "unknown key model.ttt_step"),
-    ("out_dir=/proc/specjax-run", "cannot create files in /proc"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("optim.steps=-5", "optim.steps must be >= 1"),
+        ("model.ttt_step=2", "unknown key model.ttt_step"),
+        ("out_dir=/proc/specjax-run", "cannot create files in /proc"),
+    ],
+)
 def test_cli_bad_recipe_values_fail_before_the_target_loads(tmp_path, capsys, monkeypatch, override, match):
     """`specjax train ... optim.steps=-5` used to load the target and start regenerating."""
     import specjax.models.loading

@@ -22,10 +22,29 @@ KINDS = ("dflash", "dspark")
 def make_task(target, store, kind: str):
     """The tiny `kind` task on the sharp target's feature store (block 4 for DFlash, 3 for DSpark)."""
     if kind == "dflash":
-        return DFlashTask(target, store.counts, num_layers=1, block_size=4, mask_token_id=255, draft_vocab_size=0,
-                          target_layers=SHARP_LAYERS, intermediate_size=64, anchors=12)
-    return DSparkTask(target, store.counts, num_layers=1, block_size=3, mask_token_id=255, draft_vocab_size=0,
-                      target_layers=SHARP_LAYERS, intermediate_size=64, anchors=12, markov_rank=8)
+        return DFlashTask(
+            target,
+            store.counts,
+            num_layers=1,
+            block_size=4,
+            mask_token_id=255,
+            draft_vocab_size=0,
+            target_layers=SHARP_LAYERS,
+            intermediate_size=64,
+            anchors=12,
+        )
+    return DSparkTask(
+        target,
+        store.counts,
+        num_layers=1,
+        block_size=3,
+        mask_token_id=255,
+        draft_vocab_size=0,
+        target_layers=SHARP_LAYERS,
+        intermediate_size=64,
+        anchors=12,
+        markov_rank=8,
+    )
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -52,16 +71,15 @@ def test_loss_drops_and_acceptance_improves(trained):
         assert err[1] < 0.5 * err[0], err
 
 
-def test_exported_drafter_is_lossless_and_the_forecast_holds(sharp_target, sharp_seqs, sharp_store, trained,
-                                                              tmp_path):
+def test_exported_drafter_is_lossless_and_the_forecast_holds(sharp_target, sharp_seqs, sharp_store, trained, tmp_path):
     kind, task, params, _, log = trained
     task.export(params, str(tmp_path), metadata={"final_eval": log[-1]["eval"]})
     drafter = make_drafter(f"{kind}:{tmp_path}", 0, sharp_target)
     assert drafter.num_draft == 3
     seqs = sharp_seqs[:16]
-    rows = Engine(sharp_target).generate([ids[:p] for ids, p in seqs],
-                                         [SamplingParams(max_new_tokens=len(ids) - p) for ids, p in seqs],
-                                         drafter=drafter)
+    rows = Engine(sharp_target).generate(
+        [ids[:p] for ids, p in seqs], [SamplingParams(max_new_tokens=len(ids) - p) for ids, p in seqs], drafter=drafter
+    )
     assert [r.token_ids for r in rows] == [ids[p:] for ids, p in seqs]
     engine_mal = sum(len(r.token_ids) - 1 for r in rows) / sum(r.steps for r in rows)
     sim = task.evaluate(params, sharp_store, max_rows=16)

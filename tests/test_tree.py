@@ -50,8 +50,9 @@ def test_tree_pass_equals_each_paths_causal_pass_and_its_path_is_a_prefill():
     tokens = [11, 3, 8, 1, 4, 21, 17]
     m, cache = _prefilled(model, prefix)
     par = jnp.asarray([PARENTS])
-    h, new_kv, _ = m.hidden_kv(jnp.asarray([tokens], jnp.int32), cache,
-                               positions=cache.lengths[:, None] + depths(par), mask=ancestor_mask(par))
+    h, new_kv, _ = m.hidden_kv(
+        jnp.asarray([tokens], jnp.int32), cache, positions=cache.lengths[:, None] + depths(par), mask=ancestor_mask(par)
+    )
     logits = m.logits(h)[0]  # [T, V]
     for i in range(len(tokens)):
         path, j = [], i

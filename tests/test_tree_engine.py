@@ -27,9 +27,11 @@ from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingArrays, SamplingParams
 from specjax.verify import accept_tree
 
-PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
-           "List three uses of a hash map.",
-           "def is_prime(n):\n    \"\"\"Return True if n is a prime number.\"\"\"\n"]
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "List three uses of a hash map.",
+    'def is_prime(n):\n    """Return True if n is a prime number."""\n',
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +45,17 @@ def real(default_model):
     return default_model, engine, ids, params, plain
 
 
-@pytest.mark.parametrize("spec, shape", [("eagle3@0", (2, 3, 6)), ("eagle3@0", (4, 5, 16)), ("eagle3@0.5", (4, 5, 16)),
-                                         ("ngram", (3, 5, 15)), ("draft", (3, 4, 12)), ("mtp", (3, 3, 9))])
+@pytest.mark.parametrize(
+    "spec, shape",
+    [
+        ("eagle3@0", (2, 3, 6)),
+        ("eagle3@0", (4, 5, 16)),
+        ("eagle3@0.5", (4, 5, 16)),
+        ("ngram", (3, 5, 15)),
+        ("draft", (3, 4, 12)),
+        ("mtp", (3, 3, 9)),
+    ],
+)
 def test_tree_greedy_is_token_identical_to_plain(real, spec, shape):
     model, engine, ids, params, plain = real
     k, depth, n = shape
@@ -65,8 +76,9 @@ def test_tree_under_the_speculation_policy_is_token_identical(real):
     the drafter's commits deferred (`Pending`, K + 1 = depth + 1 wide)."""
     model, engine, ids, params, plain = real
     drafter = make_drafter("eagle3@0", 8, model).with_tree(2, 4)
-    rows = engine.generate(ids, params, eos_ids=model.config.eos_token_ids, drafter=drafter, spec_mode=AUTO,
-                           costs=cost_table(4, 2.5))
+    rows = engine.generate(
+        ids, params, eos_ids=model.config.eos_token_ids, drafter=drafter, spec_mode=AUTO, costs=cost_table(4, 2.5)
+    )
     assert [r.token_ids for r in rows] == [p.token_ids for p in plain]
     assert 0 < sum(r.checked[0] for r in rows) < sum(r.steps for r in rows)
 
@@ -82,7 +94,7 @@ def test_auto_tree_size_is_measured_once_and_lossless(real):
     kw = dict(model=model, sampling=params, drafter="eagle3@0", num_draft="auto:4,8", tree_topk=2)
     out = specjax.generate(ids, **kw)
     assert [r.token_ids for r in out] == [p.token_ids for p in plain]
-    (key, k), = [(key, k) for key, k in _AUTO_K.items() if key.endswith("|auto:4,8")]
+    ((key, k),) = [(key, k) for key, k in _AUTO_K.items() if key.endswith("|auto:4,8")]
     assert k in (4, 8) and all(r.stats.num_draft == k and r.stats.tree == f"2x{min(k, 5)}" for r in out)
     _AUTO_K[key] = 12 - k  # a recorded choice is reused, never remeasured
     assert {r.stats.num_draft for r in specjax.generate(ids, **kw)} == {12 - k}
@@ -199,7 +211,9 @@ def test_sampled_tree_steps_through_the_pallas_kernel_equal_the_reference(tiny_p
     target, weights, _ = tiny_pair
     drafter = Eagle3Drafter(6, weights, target).with_tree(3, 2)
     params = [dataclasses.replace(SETTINGS[1], seed=i, max_new_tokens=12) for i in range(16)]
-    ref, ker = (Engine(target, implementation=impl).generate([PROMPT] * 16, params, drafter=drafter)
-                for impl in ("reference", "pallas"))
+    ref, ker = (
+        Engine(target, implementation=impl).generate([PROMPT] * 16, params, drafter=drafter)
+        for impl in ("reference", "pallas")
+    )
     assert [r.token_ids for r in ref] == [r.token_ids for r in ker]
     assert sum(sum(r.accepted) for r in ref) > 0

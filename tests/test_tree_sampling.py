@@ -109,8 +109,13 @@ def run_iid(p_table, q_table, k=3, seed=2):
     key = jax.random.key(seed)
     q0 = jnp.asarray(q_table[LAST], jnp.float32)
     tokens = jax.random.categorical(key, jnp.log(q0), shape=(n, k)).astype(jnp.int32)  # [n, k]
-    p = jnp.concatenate([jnp.broadcast_to(jnp.asarray(p_table[LAST], jnp.float32), (n, 1, V)),
-                         jnp.asarray(p_table, jnp.float32)[tokens]], axis=1)  # [n, k+1, V]
+    p = jnp.concatenate(
+        [
+            jnp.broadcast_to(jnp.asarray(p_table[LAST], jnp.float32), (n, 1, V)),
+            jnp.asarray(p_table, jnp.float32)[tokens],
+        ],
+        axis=1,
+    )  # [n, k+1, V]
     q = jnp.broadcast_to(jnp.concatenate([q0[None], jnp.zeros((k, V))]), (n, k + 1, V))
     seeds = jax.random.bits(jax.random.fold_in(key, 1), (n,), jnp.uint32)
     return [np.asarray(x) for x in tree_sample_reference(p, q, tokens, jnp.full((n, k), -1, jnp.int32), seeds)]

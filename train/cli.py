@@ -50,8 +50,10 @@ def sequences(target, recipe: Recipe, split: str, console: Console) -> list[tupl
             corpus.add(rows)
             done[0] += len(rows)
             done[1] += sum(len(ids) - p for ids, p in rows)
-            console.print(f"regen {split}: {done[0]}/{len(missing)} new replies ({len(corpus)} in "
-                          f"{corpus.path}), {done[1] / (time.perf_counter() - t0):.0f} tok/s")
+            console.print(
+                f"regen {split}: {done[0]}/{len(missing)} new replies ({len(corpus)} in "
+                f"{corpus.path}), {done[1] / (time.perf_counter() - t0):.0f} tok/s"
+            )
 
         regen_replies(target, missing, d.max_new_tokens, d.gen_batch_size, on_batch)
     return [corpus.get(p) for p in prompts]
@@ -98,8 +100,10 @@ def check_before_loading(recipe: Recipe) -> None:
 
     d = recipe.data
     if d.num_prompts + d.eval_prompts > pool_size():
-        raise RecipeError(f"data.num_prompts + data.eval_prompts must be <= {pool_size()} (the ShareGPT training "
-                          f"pool), got {d.num_prompts} + {d.eval_prompts}")
+        raise RecipeError(
+            f"data.num_prompts + data.eval_prompts must be <= {pool_size()} (the ShareGPT training "
+            f"pool), got {d.num_prompts} + {d.eval_prompts}"
+        )
     check_can_create_dir(recipe.out_dir, "out_dir")
     if recipe.cache_dir != recipe.out_dir:
         check_can_create_dir(recipe.cache_dir, "data.cache_dir")
@@ -107,8 +111,9 @@ def check_before_loading(recipe: Recipe) -> None:
         check_can_create_dir(recipe.data.replies_dir, "data.replies_dir")
 
 
-def run(recipe: Recipe, console: Console | None = None, stop_after: int | None = None,
-        replies_only: bool = False) -> dict:
+def run(
+    recipe: Recipe, console: Console | None = None, stop_after: int | None = None, replies_only: bool = False
+) -> dict:
     """The whole pipeline; returns a summary (also written to out_dir/summary.json).
     `replies_only`: stop once both splits' replies are in the corpus; returns their counts."""
     from specjax.models.loading import load_model
@@ -130,19 +135,38 @@ def run(recipe: Recipe, console: Console | None = None, stop_after: int | None =
         t0 = time.perf_counter()
         seqs = sequences(target, recipe, split, console)
         t1 = time.perf_counter()
-        store = extract_features(target, seqs, layers, os.path.join(recipe.cache_dir, "features", split),
-                                 recipe.data.seq_len, recipe.data.feature_batch_size)
+        store = extract_features(
+            target,
+            seqs,
+            layers,
+            os.path.join(recipe.cache_dir, "features", split),
+            recipe.data.seq_len,
+            recipe.data.feature_batch_size,
+        )
         t2 = time.perf_counter()
         tokens = len(store) * recipe.data.seq_len
-        summary[f"{split}_data"] = {"sequences": len(store), "response_tokens": store.num_tokens(),
-                                    "sequence_seconds": t1 - t0, "feature_seconds": t2 - t1,
-                                    "feature_tokens_per_second": tokens / max(store.meta["seconds"], 1e-9)}
-        console.print(f"{split}: {len(store)} sequences, {store.num_tokens()} response tokens, features "
-                      f"{summary[f'{split}_data']['feature_tokens_per_second']:.0f} tok/s")
+        summary[f"{split}_data"] = {
+            "sequences": len(store),
+            "response_tokens": store.num_tokens(),
+            "sequence_seconds": t1 - t0,
+            "feature_seconds": t2 - t1,
+            "feature_tokens_per_second": tokens / max(store.meta["seconds"], 1e-9),
+        }
+        console.print(
+            f"{split}: {len(store)} sequences, {store.num_tokens()} response tokens, features "
+            f"{summary[f'{split}_data']['feature_tokens_per_second']:.0f} tok/s"
+        )
         stores[split] = store
     task = make_task(recipe, target, stores["train"].counts)
-    params = fit(task, stores["train"], recipe.optim, recipe.out_dir, eval_store=stores["eval"], console=console,
-                 stop_after=stop_after)
+    params = fit(
+        task,
+        stores["train"],
+        recipe.optim,
+        recipe.out_dir,
+        eval_store=stores["eval"],
+        console=console,
+        stop_after=stop_after,
+    )
     from train.loop import read_log
 
     log = read_log(recipe.out_dir)
@@ -153,16 +177,22 @@ def run(recipe: Recipe, console: Console | None = None, stop_after: int | None =
         import jax.numpy as jnp
 
         dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[recipe.export_dtype]
-        out = task.export(params, os.path.join(recipe.out_dir, "drafter"), dtype,
-                          {"trained_with": summary["command"], "final_eval": summary["final_eval"]})
+        out = task.export(
+            params,
+            os.path.join(recipe.out_dir, "drafter"),
+            dtype,
+            {"trained_with": summary["command"], "final_eval": summary["final_eval"]},
+        )
         summary["exported"] = out
         console.print(f"exported the drafter to {out} (use --drafter {recipe.drafter}:{out})")
     with open(os.path.join(recipe.out_dir, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=1)
     ev = summary["final_eval"]
-    console.print(f"simulated MAL {ev['sim_mal']:.2f} over every start, per position {ev['sim_per_position']}; "
-                  f"{ev['path_mal']:.2f} along greedy decoding's path (the engine's MAL on these prompts), "
-                  f"per position {ev['path_per_position']}")
+    console.print(
+        f"simulated MAL {ev['sim_mal']:.2f} over every start, per position {ev['sim_per_position']}; "
+        f"{ev['path_mal']:.2f} along greedy decoding's path (the engine's MAL on these prompts), "
+        f"per position {ev['path_per_position']}"
+    )
     return summary
 
 

@@ -83,8 +83,14 @@ def label_positions(valid: jax.Array, r: int) -> jax.Array:
     return jnp.argsort(~valid, axis=1, stable=True)[:, :r]
 
 
-def chunked_soft_ce(draft: jax.Array, target: jax.Array, head: jax.Array, valid: jax.Array, chunk: int = 32,
-                    positions: int | None = None):
+def chunked_soft_ce(
+    draft: jax.Array,
+    target: jax.Array,
+    head: jax.Array,
+    valid: jax.Array,
+    chunk: int = 32,
+    positions: int | None = None,
+):
     """Soft cross-entropy of draft distributions against the target's, over the full vocabulary.
 
     draft `[n, B, T, D]`: n normed draft hidden states per label position; target `[B, T, D]`:
@@ -135,8 +141,9 @@ def chain_counts(hits: list[jax.Array]) -> jax.Array:
     return count
 
 
-def simulate_store(sim, params, frozen, store, names: tuple[str, ...], k: int, max_rows: int = 64,
-                   batch_size: int = 8) -> dict:
+def simulate_store(
+    sim, params, frozen, store, names: tuple[str, ...], k: int, max_rows: int = 64, batch_size: int = 8
+) -> dict:
     """Run `sim(params, frozen, batch) -> (count [B, T], starts [B, T])` over the first
     `max_rows` rows of a FeatureStore and summarise (see `acceptance_summary`).
 
@@ -172,8 +179,11 @@ def acceptance_summary(hist) -> dict:
     k = len(hist) - 1
     reach = [hist[i:].sum() for i in range(k + 1)]  # starts with >= i accepted
     per_pos = [float(reach[i + 1] / reach[i]) if reach[i] else 0.0 for i in range(k)]
-    return {"sim_mal": float((hist * np.arange(k + 1)).sum() / total + 1.0),
-            "sim_per_position": [round(p, 4) for p in per_pos], "sim_starts": int(total)}
+    return {
+        "sim_mal": float((hist * np.arange(k + 1)).sum() / total + 1.0),
+        "sim_per_position": [round(p, 4) for p in per_pos],
+        "sim_starts": int(total),
+    }
 
 
 def draft_vocab(counts, size: int, vocab_size: int):

@@ -58,13 +58,29 @@ EXPORT_DTYPES = ("bfloat16", "float32")
 # one line (exit code 2) before the target loads, not a failure (or a silent no-op) later.
 SEED_RANGE = (0, 2**32 - 1, False)
 RANGES = {
-    "data": {"num_prompts": (1, None, False), "eval_prompts": (1, None, False), "max_prompt_tokens": (1, None, False),
-             "max_new_tokens": (1, None, False), "seq_len": (2, None, False), "gen_batch_size": (1, None, False),
-             "feature_batch_size": (1, None, False), "seed": SEED_RANGE},
-    "optim": {"steps": (1, None, False), "batch_size": (1, None, False), "lr": (0, None, True),
-              "warmup_steps": (0, None, False), "end_lr_fraction": (0, 1, False), "clip": (0, None, True),
-              "weight_decay": (0, None, False), "checkpoint_every": (1, None, False),
-              "eval_every": (0, None, False), "max_to_keep": (1, None, False), "seed": SEED_RANGE},
+    "data": {
+        "num_prompts": (1, None, False),
+        "eval_prompts": (1, None, False),
+        "max_prompt_tokens": (1, None, False),
+        "max_new_tokens": (1, None, False),
+        "seq_len": (2, None, False),
+        "gen_batch_size": (1, None, False),
+        "feature_batch_size": (1, None, False),
+        "seed": SEED_RANGE,
+    },
+    "optim": {
+        "steps": (1, None, False),
+        "batch_size": (1, None, False),
+        "lr": (0, None, True),
+        "warmup_steps": (0, None, False),
+        "end_lr_fraction": (0, 1, False),
+        "clip": (0, None, True),
+        "weight_decay": (0, None, False),
+        "checkpoint_every": (1, None, False),
+        "eval_every": (0, None, False),
+        "max_to_keep": (1, None, False),
+        "seed": SEED_RANGE,
+    },
 }
 
 
@@ -119,8 +135,11 @@ def _section(cls, raw, name: str):
     kw = {}
     for k, v in raw.items():
         want = type(fields[k].default) if fields[k].default is not dataclasses.MISSING else None
-        if want in (int, float) and (not isinstance(v, (int, float)) or isinstance(v, bool)) or (
-                want is int and isinstance(v, float)):
+        if (
+            want in (int, float)
+            and (not isinstance(v, (int, float)) or isinstance(v, bool))
+            or (want is int and isinstance(v, float))
+        ):
             raise RecipeError(f"{name}.{k} must be {want.__name__}, got {v!r}")
         if want is str and not isinstance(v, str):
             raise RecipeError(f"{name}.{k} must be a string, got {v!r}")
@@ -164,8 +183,10 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
         raise RecipeError("recipe section 'model' must be a mapping")
     optim = _section(OptimConfig, raw["optim"], "optim")
     if data.seq_len <= data.max_prompt_tokens:
-        raise RecipeError(f"data.seq_len ({data.seq_len}) must exceed data.max_prompt_tokens "
-                          f"({data.max_prompt_tokens}): a sequence needs room for its reply")
+        raise RecipeError(
+            f"data.seq_len ({data.seq_len}) must exceed data.max_prompt_tokens "
+            f"({data.max_prompt_tokens}): a sequence needs room for its reply"
+        )
     export_dtype = raw.get("export_dtype", "bfloat16")
     if export_dtype not in EXPORT_DTYPES:
         raise RecipeError(f"export_dtype must be one of {', '.join(EXPORT_DTYPES)}, got {export_dtype!r}")
@@ -174,5 +195,12 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
             raise RecipeError(f"{key} must be a non-empty string, got {raw[key]!r}")
     if raw.get("target") is not None and not isinstance(raw["target"], str):
         raise RecipeError(f"target must be a model path or null, got {raw['target']!r}")
-    return Recipe(drafter=raw["drafter"], out_dir=raw["out_dir"], data=data, model=dict(raw["model"]), optim=optim,
-                  target=raw.get("target"), export_dtype=export_dtype)
+    return Recipe(
+        drafter=raw["drafter"],
+        out_dir=raw["out_dir"],
+        data=data,
+        model=dict(raw["model"]),
+        optim=optim,
+        target=raw.get("target"),
+        export_dtype=export_dtype,
+    )

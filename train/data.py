@@ -82,8 +82,9 @@ def dataset_sequences(model: Model, convs, max_prompt: int, seq_len: int) -> lis
     return out
 
 
-def regen_replies(model: Model, prompts: list[list[int]], max_new: int, batch_size: int,
-                  on_batch=None) -> list[tuple[list[int], int]]:
+def regen_replies(
+    model: Model, prompts: list[list[int]], max_new: int, batch_size: int, on_batch=None
+) -> list[tuple[list[int], int]]:
     """(prompt + the target's greedy reply, prompt length) for each prompt's token ids, generated
     `batch_size` at a time in order of length (similar lengths share a batch: less padding, fewer
     shape buckets); returned in that order."""
@@ -121,8 +122,10 @@ class FeatureStore:
             self.meta = json.load(fh)
         if not self.meta.get("complete"):
             raise RuntimeError(f"feature store {path} is incomplete; rerun the extraction")
-        self.arrays = {name: np.load(os.path.join(path, f"{name}.npy"), mmap_mode="r")
-                       for name in ("tokens", "mask", "argmax", "final", "hidden")}
+        self.arrays = {
+            name: np.load(os.path.join(path, f"{name}.npy"), mmap_mode="r")
+            for name in ("tokens", "mask", "argmax", "final", "hidden")
+        }
         self.counts = np.load(os.path.join(path, "counts.npy"))
 
     def __len__(self) -> int:
@@ -145,8 +148,15 @@ class FeatureStore:
         return int(np.asarray(self.arrays["mask"]).sum())
 
 
-def extract_features(model: Model, seqs: list[tuple[list[int], int]], layers: tuple[int, ...], out_dir: str,
-                     seq_len: int, batch_size: int = 8, on_batch=None) -> FeatureStore:
+def extract_features(
+    model: Model,
+    seqs: list[tuple[list[int], int]],
+    layers: tuple[int, ...],
+    out_dir: str,
+    seq_len: int,
+    batch_size: int = 8,
+    on_batch=None,
+) -> FeatureStore:
     """Run the target over every sequence (right-padded to `seq_len`) and write the store.
 
     Reuses a complete store of the same sequences instead of recomputing it when it keeps the
@@ -166,7 +176,8 @@ def extract_features(model: Model, seqs: list[tuple[list[int], int]], layers: tu
             return FeatureStore(out_dir)
     n, d, v = len(seqs), model.config.hidden_size, model.config.vocab_size
     mm = lambda name, shape, dtype: np.lib.format.open_memmap(  # noqa: E731
-        os.path.join(out_dir, f"{name}.npy"), mode="w+", dtype=dtype, shape=shape)
+        os.path.join(out_dir, f"{name}.npy"), mode="w+", dtype=dtype, shape=shape
+    )
     tokens, mask = mm("tokens", (n, seq_len), np.int32), mm("mask", (n, seq_len), np.bool_)
     argmax = mm("argmax", (n, seq_len), np.int32)
     final = mm("final", (n, seq_len, d), np.uint16)
@@ -200,9 +211,19 @@ def extract_features(model: Model, seqs: list[tuple[list[int], int]], layers: tu
         a.flush()
     np.save(os.path.join(out_dir, "counts.npy"), counts)
     with open(meta_path, "w") as fh:
-        json.dump({"complete": True, "digest": digest, "layers": list(layers), "seq_len": seq_len,
-                   "num_sequences": n, "response_tokens": int(np.asarray(mask).sum()),
-                   "seconds": time.perf_counter() - t0, "target": model.name}, fh)
+        json.dump(
+            {
+                "complete": True,
+                "digest": digest,
+                "layers": list(layers),
+                "seq_len": seq_len,
+                "num_sequences": n,
+                "response_tokens": int(np.asarray(mask).sum()),
+                "seconds": time.perf_counter() - t0,
+                "target": model.name,
+            },
+            fh,
+        )
     return FeatureStore(out_dir)
 
 

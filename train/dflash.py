@@ -28,8 +28,9 @@ from train.common import chain_counts, chunked_argmax, chunked_soft_ce, simulate
 from train.common import shift_left as _shift_left
 
 
-def block_states(net: DFlash, feats: jax.Array, tokens: jax.Array, anchors: jax.Array, embed: jax.Array,
-                 block: int) -> jax.Array:
+def block_states(
+    net: DFlash, feats: jax.Array, tokens: jax.Array, anchors: jax.Array, embed: jax.Array, block: int
+) -> jax.Array:
     """feats `[n, B, T, D]` target hidden states, tokens `[B, T]`, anchors `[B, A]` positions,
     embed `[V, D]` -> the normed drafter states of every block `[B, A, block, D]` (f32)."""
     cfg = net.cfg
@@ -55,8 +56,9 @@ def block_states(net: DFlash, feats: jax.Array, tokens: jax.Array, anchors: jax.
         s_c = jnp.where(ctx_ok, s_c, neg)
         s_b = jnp.einsum("bakvgh,bajvh->bavgkj", q, kb) * scale  # [B, A, KV, G, Bk, Bk]
         p = jax.nn.softmax(jnp.concatenate([s_c, s_b], axis=-1), axis=-1)  # one softmax over T + Bk
-        out = (jnp.einsum("bavgkt,btvh->bakvgh", p[..., :t], vc)
-               + jnp.einsum("bavgkj,bajvh->bakvgh", p[..., t:], vb))  # [B, A, Bk, KV, G, H]
+        out = jnp.einsum("bavgkt,btvh->bakvgh", p[..., :t], vc) + jnp.einsum(
+            "bavgkj,bajvh->bakvgh", p[..., t:], vb
+        )  # [B, A, Bk, KV, G, H]
         x = x + linear(layer.attn.o[...], out.reshape(b, a, block, -1))  # [B, A, Bk, D]
         x = x + layer.mlp(layer.mlp_norm(x))
     return net.norm(x)
@@ -79,8 +81,7 @@ def draw_anchors(row_id: jax.Array, ok: jax.Array, n: int) -> tuple[jax.Array, j
     return idx.astype(jnp.int32), top >= 0
 
 
-def dflash_loss(net: DFlash, batch: dict, head: jax.Array, embed: jax.Array, block: int, anchors: int,
-                gamma: float):
+def dflash_loss(net: DFlash, batch: dict, head: jax.Array, embed: jax.Array, block: int, anchors: int, gamma: float):
     """batch: tokens, mask `[B, T]`, hidden `[n, B, T, D]`, final `[B, T, D]`, row_id `[B]`;
     head `[N, D]` the drafter's head rows. Returns (loss, metrics)."""
     tokens, mask = batch["tokens"], batch["mask"]
@@ -89,8 +90,11 @@ def dflash_loss(net: DFlash, batch: dict, head: jax.Array, embed: jax.Array, blo
     hs = block_states(net, batch["hidden"], tokens, anc, embed, block)[:, :, 1:]  # [B, A, K, D]
     k = jnp.arange(1, block)  # block positions that draft
     tgt = anc[..., None] + k  # [B, A, K] the drafted token's position
-    ok = anc_ok[..., None] & (tgt < t) & jnp.take_along_axis(mask, jnp.minimum(tgt, t - 1).reshape(b, -1),
-                                                               axis=1).reshape(tgt.shape)
+    ok = (
+        anc_ok[..., None]
+        & (tgt < t)
+        & jnp.take_along_axis(mask, jnp.minimum(tgt, t - 1).reshape(b, -1), axis=1).reshape(tgt.shape)
+    )
     w = ok * jnp.exp(-(k - 1) / gamma)  # [B, A, K]
     lab = jnp.minimum(tgt - 1, t - 1).reshape(b, -1)  # [B, A K] the labelling target position
     final = jnp.take_along_axis(batch["final"], lab[..., None], axis=1)  # [B, A K, D]
@@ -127,21 +131,44 @@ class DFlashTask:
             return tuple(int(i) for i in target_layers)
         return default_target_layers(target.config.num_layers, DFlashTask.NUM_FEATURES)
 
-    def __init__(self, target, counts, num_layers: int = 2, block_size: int = 8, mask_token_id: int = 0,
-                 draft_vocab_size: int = 8192, target_layers=None, intermediate_size: int | None = None,
-                 anchors: int = 64, gamma: float = 4.0):
+    def __init__(
+        self,
+        target,
+        counts,
+        num_layers: int = 2,
+        block_size: int = 8,
+        mask_token_id: int = 0,
+        draft_vocab_size: int = 8192,
+        target_layers=None,
+        intermediate_size: int | None = None,
+        anchors: int = 64,
+        gamma: float = 4.0,
+    ):
         import dataclasses
 
         from specjax.drafters.dflash import DFlashConfig
         from train.common import draft_vocab
 
         tc = target.config
-        layers = dataclasses.replace(tc, num_layers=int(num_layers), qk_norm=True, attention_bias=False,
-                                     intermediate_size=intermediate_size or tc.intermediate_size,
-                                     tie_word_embeddings=False, eos_token_ids=(), bos_token_id=None)
+        layers = dataclasses.replace(
+            tc,
+            num_layers=int(num_layers),
+            qk_norm=True,
+            attention_bias=False,
+            intermediate_size=intermediate_size or tc.intermediate_size,
+            tie_word_embeddings=False,
+            eos_token_ids=(),
+            bos_token_id=None,
+        )
         n = min(int(draft_vocab_size), tc.vocab_size) if draft_vocab_size else 0
-        self.cfg = DFlashConfig(layers, self.feature_layers(target, target_layers), tc.num_layers, int(block_size),
-                                int(mask_token_id), draft_vocab_size=0 if n == tc.vocab_size else n)
+        self.cfg = DFlashConfig(
+            layers,
+            self.feature_layers(target, target_layers),
+            tc.num_layers,
+            int(block_size),
+            int(mask_token_id),
+            draft_vocab_size=0 if n == tc.vocab_size else n,
+        )
         self.cfg.check("model section")
         self.target = target
         self.d2t = draft_vocab(counts, self.cfg.draft_vocab_size, tc.vocab_size)
@@ -171,16 +198,26 @@ class DFlashTask:
         return {"embed": self.embed, "head": head_rows(self.head, self.d2t), "d2t": self.d2t}
 
     def loss(self, params, frozen, batch):
-        return dflash_loss(self.net(params), batch, frozen["head"], frozen["embed"], self.cfg.block_size,
-                           self.anchors, self.gamma)
+        return dflash_loss(
+            self.net(params), batch, frozen["head"], frozen["embed"], self.cfg.block_size, self.anchors, self.gamma
+        )
 
     def evaluate(self, params, store, max_rows: int = 64, batch_size: int = 4) -> dict:
         """Simulated greedy MAL and per-position acceptance of the drafts on held-out rows."""
         if not hasattr(self, "_sim"):
-            self._sim = jax.jit(lambda p, f, b: self.simulate(self.net(p), b, f["head"], f["d2t"], f["embed"],
-                                                              self.cfg.block_size))
-        return simulate_store(self._sim, params, self.frozen(), store, ("tokens", "mask", "argmax", "hidden"),
-                              self.cfg.max_num_draft, max_rows, batch_size)
+            self._sim = jax.jit(
+                lambda p, f, b: self.simulate(self.net(p), b, f["head"], f["d2t"], f["embed"], self.cfg.block_size)
+            )
+        return simulate_store(
+            self._sim,
+            params,
+            self.frozen(),
+            store,
+            ("tokens", "mask", "argmax", "hidden"),
+            self.cfg.max_num_draft,
+            max_rows,
+            batch_size,
+        )
 
     def export(self, params, out_dir: str, dtype=None, metadata=None) -> str:
         from specjax.drafters.dflash import DFlashWeights, save

@@ -79,8 +79,16 @@ class DraftDistillTask:
     def feature_layers(target, target_layers=None) -> tuple[int, ...]:
         return ()  # reads the final hidden state only
 
-    def __init__(self, target, counts=None, num_layers: int = 3, eval_k: int = 5, loss_chunk: int = 32,
-                 loss_positions: int | None = None, draft_vocab_size: int = 0):
+    def __init__(
+        self,
+        target,
+        counts=None,
+        num_layers: int = 3,
+        eval_k: int = 5,
+        loss_chunk: int = 32,
+        loss_positions: int | None = None,
+        draft_vocab_size: int = 0,
+    ):
         from specjax.models.loading.export import truncate_layers
 
         if not 1 <= num_layers <= target.config.num_layers:
@@ -114,10 +122,12 @@ class DraftDistillTask:
         """Simulated greedy MAL and per-position acceptance (K = eval_k) on held-out rows."""
         k = self.eval_k
         if not hasattr(self, "_sim"):
-            self._sim = jax.jit(lambda p, f, b: simulate_acceptance(self.model(p, f), b, f["rows"], k, self.chunk,
-                                                                    f["d2t"]))
-        return simulate_store(self._sim, params, self.frozen(), store, ("tokens", "mask", "argmax", "final"), k,
-                              max_rows, batch_size)
+            self._sim = jax.jit(
+                lambda p, f, b: simulate_acceptance(self.model(p, f), b, f["rows"], k, self.chunk, f["d2t"])
+            )
+        return simulate_store(
+            self._sim, params, self.frozen(), store, ("tokens", "mask", "argmax", "final"), k, max_rows, batch_size
+        )
 
     def export(self, params, out_dir: str, dtype=None, metadata=None) -> str:
         """An HF directory of the layers and final norm only (`--drafter draft:out_dir`)."""

@@ -37,8 +37,18 @@ def slot_logits(net: DSpark, hs: jax.Array, prev: jax.Array, head: jax.Array):
     return z, conf
 
 
-def dspark_loss(net: DSpark, batch: dict, head: jax.Array, embed: jax.Array, block: int, anchors: int,
-                gamma: float, ce_weight: float, tv_weight: float, conf_weight: float):
+def dspark_loss(
+    net: DSpark,
+    batch: dict,
+    head: jax.Array,
+    embed: jax.Array,
+    block: int,
+    anchors: int,
+    gamma: float,
+    ce_weight: float,
+    tv_weight: float,
+    conf_weight: float,
+):
     """batch: tokens, mask `[B, T]`, hidden `[n, B, T, D]`, final `[B, T, D]`, row_id `[B]`;
     head `[N, D]` the head rows. Returns (loss, metrics)."""
     tokens, mask = batch["tokens"], batch["mask"]
@@ -49,8 +59,7 @@ def dspark_loss(net: DSpark, batch: dict, head: jax.Array, embed: jax.Array, blo
     pos = anc[..., None] + k  # [B, A, Bk] the labelling position a + k; slot k drafts pos + 1
     flat = jnp.minimum(pos, t - 1).reshape(b, -1)  # [B, A Bk]
     nxt = jnp.minimum(pos + 1, t - 1).reshape(b, -1)
-    ok = (anc_ok[..., None] & (pos + 1 < t)
-          & jnp.take_along_axis(mask, nxt, axis=1).reshape(pos.shape))  # [B, A, Bk]
+    ok = anc_ok[..., None] & (pos + 1 < t) & jnp.take_along_axis(mask, nxt, axis=1).reshape(pos.shape)  # [B, A, Bk]
     w = ok * jnp.exp(-k / gamma)  # [B, A, Bk]
     prev = jnp.take_along_axis(tokens, flat, axis=1).reshape(pos.shape)  # [B, A, Bk] x_{a+k}
     final = jnp.take_along_axis(batch["final"], flat[..., None], axis=1).reshape(*pos.shape, -1)  # [B, A, Bk, D]
@@ -64,8 +73,11 @@ def dspark_loss(net: DSpark, batch: dict, head: jax.Array, embed: jax.Array, blo
     per = ce_weight * ce + tv_weight * (1.0 - accept) + (conf_weight * bce if net.cfg.confidence else 0.0)
     denom = jnp.maximum(jnp.sum(w), 1e-9)
     top1 = jnp.argmax(z, axis=-1) == jnp.argmax(p, axis=-1)
-    return jnp.sum(w * per) / denom, {"top1": jnp.sum(w * top1) / denom, "accept": jnp.sum(w * accept) / denom,
-                                      "conf_abs_err": jnp.sum(w * jnp.abs(jax.nn.sigmoid(conf) - c_star)) / denom}
+    return jnp.sum(w * per) / denom, {
+        "top1": jnp.sum(w * top1) / denom,
+        "accept": jnp.sum(w * accept) / denom,
+        "conf_abs_err": jnp.sum(w * jnp.abs(jax.nn.sigmoid(conf) - c_star)) / denom,
+    }
 
 
 def simulate_acceptance(net: DSpark, batch: dict, head: jax.Array, d2t, embed: jax.Array, block: int):
@@ -89,16 +101,40 @@ class DSparkTask(DFlashTask):
 
     simulate = staticmethod(simulate_acceptance)
 
-    def __init__(self, target, counts, num_layers: int = 2, block_size: int = 8, mask_token_id: int = 0,
-                 draft_vocab_size: int = 8192, target_layers=None, intermediate_size: int | None = None,
-                 anchors: int = 64, gamma: float = 4.0, markov_rank: int = 256, confidence: bool = True,
-                 ce_weight: float = 0.1, tv_weight: float = 0.9, conf_weight: float = 1.0):
+    def __init__(
+        self,
+        target,
+        counts,
+        num_layers: int = 2,
+        block_size: int = 8,
+        mask_token_id: int = 0,
+        draft_vocab_size: int = 8192,
+        target_layers=None,
+        intermediate_size: int | None = None,
+        anchors: int = 64,
+        gamma: float = 4.0,
+        markov_rank: int = 256,
+        confidence: bool = True,
+        ce_weight: float = 0.1,
+        tv_weight: float = 0.9,
+        conf_weight: float = 1.0,
+    ):
         import dataclasses
 
         from specjax.drafters.dspark import DSparkConfig
 
-        super().__init__(target, counts, num_layers, block_size, mask_token_id, draft_vocab_size, target_layers,
-                         intermediate_size, anchors, gamma)
+        super().__init__(
+            target,
+            counts,
+            num_layers,
+            block_size,
+            mask_token_id,
+            draft_vocab_size,
+            target_layers,
+            intermediate_size,
+            anchors,
+            gamma,
+        )
         fields = {f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(self.cfg)}
         self.cfg = DSparkConfig(**fields, markov_rank=int(markov_rank), confidence=bool(confidence))
         self.cfg.check("model section")
@@ -113,5 +149,13 @@ class DSparkTask(DFlashTask):
         return params
 
     def loss(self, params, frozen, batch):
-        return dspark_loss(self.net(params), batch, frozen["head"], frozen["embed"], self.cfg.block_size,
-                           self.anchors, self.gamma, *self.weights)
+        return dspark_loss(
+            self.net(params),
+            batch,
+            frozen["head"],
+            frozen["embed"],
+            self.cfg.block_size,
+            self.anchors,
+            self.gamma,
+            *self.weights,
+        )

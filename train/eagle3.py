@@ -74,8 +74,9 @@ def target_draft_logits(final: jax.Array, head: jax.Array, d2t: jax.Array) -> ja
     return linear(jnp.take(head, d2t, axis=0), final, jnp.float32)
 
 
-def ttt_loss(net: Eagle3, batch: dict, head: jax.Array, d2t: jax.Array, embed: jax.Array, steps: int,
-             decay: float = 0.8):
+def ttt_loss(
+    net: Eagle3, batch: dict, head: jax.Array, d2t: jax.Array, embed: jax.Array, steps: int, decay: float = 0.8
+):
     """Soft cross-entropy over TTT steps.
 
     batch: `tokens [B, T]`, `mask [B, T]` (positions whose next token is trained on, i.e.
@@ -136,8 +137,17 @@ class Eagle3Task:
 
         return Eagle3Config.for_target(target.config, target_layers=target_layers).target_layers
 
-    def __init__(self, target, counts, draft_vocab_size: int = 8192, target_layers=None, ttt_steps: int = 3,
-                 decay: float = 0.8, eval_k: int = 5, intermediate_size: int | None = None):
+    def __init__(
+        self,
+        target,
+        counts,
+        draft_vocab_size: int = 8192,
+        target_layers=None,
+        ttt_steps: int = 3,
+        decay: float = 0.8,
+        eval_k: int = 5,
+        intermediate_size: int | None = None,
+    ):
         from specjax.drafters.base import vocab_maps
         from specjax.drafters.eagle3 import Eagle3Config
 
@@ -173,16 +183,18 @@ class Eagle3Task:
         return {"embed": self.embed, "head": self.head, "d2t": self.d2t}
 
     def loss(self, params, frozen, batch):
-        return ttt_loss(self.net(params), batch, frozen["head"], frozen["d2t"], frozen["embed"], self.ttt_steps,
-                        self.decay)
+        return ttt_loss(
+            self.net(params), batch, frozen["head"], frozen["d2t"], frozen["embed"], self.ttt_steps, self.decay
+        )
 
     def evaluate(self, params, store, max_rows: int = 64, batch_size: int = 8) -> dict:
         """Simulated greedy MAL and per-position acceptance (K = eval_k) on held-out rows."""
         k = self.eval_k
         if not hasattr(self, "_sim"):
             self._sim = jax.jit(lambda p, f, b: simulate_acceptance(self.net(p), b, f["d2t"], f["embed"], k))
-        return simulate_store(self._sim, params, self.frozen(), store, ("tokens", "mask", "argmax", "hidden"), k,
-                              max_rows, batch_size)
+        return simulate_store(
+            self._sim, params, self.frozen(), store, ("tokens", "mask", "argmax", "hidden"), k, max_rows, batch_size
+        )
 
     def export(self, params, out_dir: str, dtype=None, metadata=None) -> str:
         from specjax.drafters.eagle3 import Eagle3Weights, save

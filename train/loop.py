@@ -200,8 +200,14 @@ class _Progress:
         if self.console is not None:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.prog = Progress(TextColumn("train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=self.console)
+            self.prog = Progress(
+                TextColumn("train"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
             self.prog.__enter__()
             self.task = self.prog.add_task("train", total=self.total, completed=self.start, info="")
         return self
@@ -213,8 +219,9 @@ class _Progress:
 
     def note(self, ev: dict):
         if self.prog is not None:
-            self.prog.console.print("eval: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                                         for k, v in ev.items()))
+            self.prog.console.print(
+                "eval: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in ev.items())
+            )
 
     def __exit__(self, *exc):
         if self.prog is not None:

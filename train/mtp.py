@@ -53,8 +53,9 @@ def mtp_hidden(net: MTP, embed: jax.Array, tokens: jax.Array, final: jax.Array, 
     return outs
 
 
-def mtp_loss(net: MTP, batch: dict, embed: jax.Array, head: jax.Array, weights, chunk: int = 32,
-             positions: int | None = None):
+def mtp_loss(
+    net: MTP, batch: dict, embed: jax.Array, head: jax.Array, weights, chunk: int = 32, positions: int | None = None
+):
     """batch: `tokens [B, T]`, `mask [B, T]` (response tokens), `final [B, T, D]`. `positions`: see
     `chunked_soft_ce`. Returns (weighted mean soft CE, metrics with per-depth CE and top-1 agreement)."""
     tokens, mask, final = batch["tokens"], batch["mask"], batch["final"]
@@ -76,16 +77,16 @@ def mtp_loss(net: MTP, batch: dict, embed: jax.Array, head: jax.Array, weights, 
     return jnp.sum(w * per_depth) / jnp.sum(w), metrics
 
 
-def simulate_acceptance(net: MTP, batch: dict, embed: jax.Array, head: jax.Array, k: int, chunk: int = 32,
-                        d2t=None):
+def simulate_acceptance(net: MTP, batch: dict, embed: jax.Array, head: jax.Array, k: int, chunk: int = 32, d2t=None):
     """Greedy acceptance of K drafts from every start m, teacher forced (see the module docstring).
     With a draft vocabulary `d2t [N]`, `head` holds its rows `[N, D]` (what the drafter proposes
     from). Returns accepted counts `[B, T]` and the valid-start mask `[B, T]`."""
     tokens, mask, target_next = batch["tokens"], batch["mask"], batch["argmax"]  # [B, T] each
     t = tokens.shape[1]
     outs = mtp_hidden(net, embed, tokens, batch["final"], k)
-    greedy = chunked_argmax(jnp.stack([net.heads[j].head_input(h) for j, h in enumerate(outs)]), head, chunk,
-                            d2t)  # [K, B, T] target ids
+    greedy = chunked_argmax(
+        jnp.stack([net.heads[j].head_input(h) for j, h in enumerate(outs)]), head, chunk, d2t
+    )  # [K, B, T] target ids
     # draft j from start m: module j at m - 1 vs the target's greedy token after x_{m+j-1}
     hits = [shift_right(greedy[j - 1], 1) == shift_left(target_next, j - 1) for j in range(1, k + 1)]
     m = jnp.arange(t)
@@ -102,9 +103,19 @@ class MTPTask:
     def feature_layers(target, target_layers=None) -> tuple[int, ...]:
         return ()  # reads the final hidden state only
 
-    def __init__(self, target, counts=None, num_modules: int = 3, intermediate_size: int | None = None,
-                 depth_weights: list[float] | None = None, decay: float = 0.8, eval_k: int | None = None,
-                 loss_chunk: int = 32, loss_positions: int | None = None, draft_vocab_size: int = 0):
+    def __init__(
+        self,
+        target,
+        counts=None,
+        num_modules: int = 3,
+        intermediate_size: int | None = None,
+        depth_weights: list[float] | None = None,
+        decay: float = 0.8,
+        eval_k: int | None = None,
+        loss_chunk: int = 32,
+        loss_positions: int | None = None,
+        draft_vocab_size: int = 0,
+    ):
         self.cfg = MTPConfig.for_target(target.config, num_modules, intermediate_size)
         self.weights = list(depth_weights) if depth_weights else [decay**j for j in range(num_modules)]
         if len(self.weights) != num_modules:
@@ -130,17 +141,20 @@ class MTPTask:
         return {"embed": self.embed, "head": self.head, "rows": head_rows(self.head, self.d2t), "d2t": self.d2t}
 
     def loss(self, params, frozen, batch):
-        return mtp_loss(self.net(params), batch, frozen["embed"], frozen["head"], self.weights, self.chunk,
-                        self.positions)
+        return mtp_loss(
+            self.net(params), batch, frozen["embed"], frozen["head"], self.weights, self.chunk, self.positions
+        )
 
     def evaluate(self, params, store, max_rows: int = 64, batch_size: int = 8) -> dict:
         """Simulated greedy MAL and per-position acceptance (K = eval_k) on held-out rows."""
         k = self.eval_k
         if not hasattr(self, "_sim"):
-            self._sim = jax.jit(lambda p, f, b: simulate_acceptance(self.net(p), b, f["embed"], f["rows"], k,
-                                                                    self.chunk, f["d2t"]))
-        return simulate_store(self._sim, params, self.frozen(), store, ("tokens", "mask", "argmax", "final"), k,
-                              max_rows, batch_size)
+            self._sim = jax.jit(
+                lambda p, f, b: simulate_acceptance(self.net(p), b, f["embed"], f["rows"], k, self.chunk, f["d2t"])
+            )
+        return simulate_store(
+            self._sim, params, self.frozen(), store, ("tokens", "mask", "argmax", "final"), k, max_rows, batch_size
+        )
 
     def export(self, params, out_dir: str, dtype=None, metadata=None) -> str:
         save(MTPWeights(self.cfg, self.graphdef, params), out_dir, dtype, metadata)

@@ -59,8 +59,13 @@ class Replies:
 
     def __init__(self, path: str, target: str, max_new_tokens: int, dtype: str):
         self.path = path
-        self.meta = {"format": FORMAT, "target": target, "max_new_tokens": int(max_new_tokens), "dtype": dtype,
-                     "decoding": "greedy"}
+        self.meta = {
+            "format": FORMAT,
+            "target": target,
+            "max_new_tokens": int(max_new_tokens),
+            "dtype": dtype,
+            "decoding": "greedy",
+        }
         os.makedirs(path, exist_ok=True)
         meta_path = os.path.join(path, META)
         if os.path.exists(meta_path):
@@ -68,8 +73,10 @@ class Replies:
                 old = json.load(fh)
             if old != self.meta:
                 diff = next(k for k in self.meta if old.get(k) != self.meta[k])
-                raise RepliesError(f"replies in {path} were generated with {diff}={old.get(diff)!r}, "
-                                   f"this recipe has {self.meta[diff]!r} (use another data.replies_dir)")
+                raise RepliesError(
+                    f"replies in {path} were generated with {diff}={old.get(diff)!r}, "
+                    f"this recipe has {self.meta[diff]!r} (use another data.replies_dir)"
+                )
         else:
             with open(meta_path, "w") as fh:
                 json.dump(self.meta, fh, indent=1)

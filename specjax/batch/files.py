@@ -62,13 +62,11 @@ def written_files(cfg) -> dict[str, str]:
     """path -> kind ("results", "errors", "json", "marker") of every file this process's job
     may write, temporary files aside (`temp_files`)."""
     out = results_path(cfg)
-    files = {out: "results", errors_path(out): "errors", job_path(out): "json",
-             policy_path(out): "json"}
+    files = {out: "results", errors_path(out): "errors", job_path(out): "json", policy_path(out): "json"}
     if cfg.num_processes > 1:
         files[done_path(out)] = "json"
         if cfg.process_id == 0:  # the merge
-            files.update({cfg.output: "results", errors_path(cfg.output): "errors",
-                          job_path(cfg.output): "json"})
+            files.update({cfg.output: "results", errors_path(cfg.output): "errors", job_path(cfg.output): "json"})
     return files
 
 
@@ -115,8 +113,7 @@ def check_merge_paths(output: str, num_processes: int) -> None:
     out_dir = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(out_dir):
         raise SpecjaxError(f"{output}: directory {out_dir} does not exist")
-    for path, kind in {output: "results", errors_path(output): "errors",
-                       job_path(output): "json"}.items():
+    for path, kind in {output: "results", errors_path(output): "errors", job_path(output): "json"}.items():
         check_own_file(path, kind, output)
     check_dir_writable(out_dir, f"--output {output}")
 
@@ -140,11 +137,15 @@ def check_own_file(path: str, kind: str, output: str) -> None:
     if kind == "errors":
         for i, line in enumerate(data[: data.rfind(b"\n") + 1].split(b"\n")[:-1], 1):
             if line.strip() and not _is_object_with(line, ("line", "reason")):
-                raise SpecjaxError(f"{path}:{i}: not a batch errors line; this run would overwrite it: move the "
-                                   f"file or choose another --output than {output}")
+                raise SpecjaxError(
+                    f"{path}:{i}: not a batch errors line; this run would overwrite it: move the "
+                    f"file or choose another --output than {output}"
+                )
     elif data.strip() and not _is_object_with(data, ()):
-        raise SpecjaxError(f"{path}: not a file of a batch job (a JSON object); this run would overwrite it: move "
-                           f"the file or choose another --output than {output}")
+        raise SpecjaxError(
+            f"{path}: not a file of a batch job (a JSON object); this run would overwrite it: move "
+            f"the file or choose another --output than {output}"
+        )
 
 
 def _is_object_with(data: bytes, keys) -> bool:
@@ -231,5 +232,7 @@ def check_job_settings(path: str, settings: dict, out_path: str) -> None:
         if diff:
             was = ", ".join(f"{k}={old[k]!r}" for k in diff)
             now = ", ".join(f"{k}={settings[k]!r}" for k in diff)
-            raise SpecjaxError(f"{out_path} holds results of a job run with {was} (kept in {path}); this run has "
-                               f"{now}: rerun with the same settings, or choose another --output")
+            raise SpecjaxError(
+                f"{out_path} holds results of a job run with {was} (kept in {path}); this run has "
+                f"{now}: rerun with the same settings, or choose another --output"
+            )

@@ -116,9 +116,13 @@ def parse_row(line: int, raw: bytes, defaults, ignored: dict[str, int] | None = 
             prompt = RawText(prompt)  # encode_prompt: no chat template
     elif has_m:
         prompt = obj["messages"]
-        if not isinstance(prompt, list) or not prompt or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in prompt
+        if (
+            not isinstance(prompt, list)
+            or not prompt
+            or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt
+            )
         ):
             return BadRow(line, rid, "'messages' must be a non-empty list of {'role': str, 'content': str}")
     else:
@@ -145,8 +149,9 @@ def line_seed(job_seed: int, line: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"{job_seed}:{line}".encode(), digest_size=4).digest(), "little")
 
 
-def parse_input(lines: list[tuple[int, bytes]], defaults, ignored: dict[str, int] | None = None
-                ) -> list[JobRow | BadRow]:
+def parse_input(
+    lines: list[tuple[int, bytes]], defaults, ignored: dict[str, int] | None = None
+) -> list[JobRow | BadRow]:
     """Parse every line; a repeated id is bad on every line after the first that has it."""
     first: dict[str, int] = {}
     out = []

@@ -44,8 +44,12 @@ class Meter:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.progress = Progress(
-                TextColumn(label), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[rate]}"), TextColumn("ETA"), TimeRemainingColumn(),
+                TextColumn(label),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]}"),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
                 console=Console(file=sys.stderr),
             )
             self.task = self.progress.add_task("batch", total=total, completed=already, rate="")
@@ -92,10 +96,16 @@ def job_settings(cfg: BatchConfig, model, defaults, sampled: bool) -> dict:
     if none does, the settings only sampling reads are None (not compared), so a greedy job may
     rerun with other ones."""
     only_sampled = dict(top_k=defaults.top_k, top_p=defaults.top_p, seed=defaults.seed or 0)
-    return {"model": model.name, "dtype": str(model.dtype), "temperature": defaults.temperature,
-            **{k: v if sampled else None for k, v in only_sampled.items()},
-            "max_new_tokens": defaults.max_new_tokens, "ignore_eos": defaults.ignore_eos,
-            "stop_token_ids": list(defaults.stop_token_ids), "raw": cfg.raw}
+    return {
+        "model": model.name,
+        "dtype": str(model.dtype),
+        "temperature": defaults.temperature,
+        **{k: v if sampled else None for k, v in only_sampled.items()},
+        "max_new_tokens": defaults.max_new_tokens,
+        "ignore_eos": defaults.ignore_eos,
+        "stop_token_ids": list(defaults.stop_token_ids),
+        "raw": cfg.raw,
+    }
 
 
 def run_batch(cfg: BatchConfig) -> dict:
@@ -119,8 +129,11 @@ def run_batch(cfg: BatchConfig) -> dict:
     defaults = cfg.sampling or SamplingParams()
     parsed = parse_input(lines, defaults, extra)
     if extra and pid == 0:
-        print("specjax batch: ignoring row fields it does not use: "
-              + ", ".join(f"{f} ({n} rows)" for f, n in sorted(extra.items())), file=sys.stderr)
+        print(
+            "specjax batch: ignoring row fields it does not use: "
+            + ", ".join(f"{f} ({n} rows)" for f, n in sorted(extra.items())),
+            file=sys.stderr,
+        )
     mine = [r for i, r in enumerate(parsed) if i % n_proc == pid]
     sizes = sharding.parse_mesh(cfg.mesh, len(jax.local_devices()))
 
@@ -134,8 +147,13 @@ def run_batch(cfg: BatchConfig) -> dict:
     settings = job_settings(cfg, model, defaults, sampled)
     job_file = job_path(out_path)
     check_job_settings(job_file, settings, out_path)
-    policy = BatchPolicy(cfg.spec_policy, tuple(drafters), drafter.tree_label(cfg.drafter or "none"),
-                         policy_path(out_path), str(cfg.num_draft) if len(drafters) > 1 else None)
+    policy = BatchPolicy(
+        cfg.spec_policy,
+        tuple(drafters),
+        drafter.tree_label(cfg.drafter or "none"),
+        policy_path(out_path),
+        str(cfg.num_draft) if len(drafters) > 1 else None,
+    )
     # Rows already written are tokenized too: their lengths place them in their batch.
     checked = [tokenize(model, r, cfg.raw) if isinstance(r, JobRow) else r for r in mine]
     rows = [r for r in checked if isinstance(r, JobRow)]
@@ -186,17 +204,27 @@ def run_batch(cfg: BatchConfig) -> dict:
 
     secs = meter.seconds
     summary = {
-        "output": out_path, "rows": len(results.done), "written": meter.rows, "already": already,
-        "errors": len(bad), "errors_file": err_path, "tokens": meter.tokens, "seconds": secs,
-        "rows_per_second": meter.rows / secs, "tokens_per_second": meter.tokens / secs,
-        "mean_accepted_length": meter.stats.mal, "prefill_seconds": meter.prefill_seconds,
+        "output": out_path,
+        "rows": len(results.done),
+        "written": meter.rows,
+        "already": already,
+        "errors": len(bad),
+        "errors_file": err_path,
+        "tokens": meter.tokens,
+        "seconds": secs,
+        "rows_per_second": meter.rows / secs,
+        "tokens_per_second": meter.tokens / secs,
+        "mean_accepted_length": meter.stats.mal,
+        "prefill_seconds": meter.prefill_seconds,
         "decode_seconds": meter.decode_seconds,
     }
     if policy.path:
         summary["speculation"] = policy.summary()
-    log(f"{meter.rows} rows written to {out_path} ({already} were already there), {len(bad)} bad rows "
+    log(
+        f"{meter.rows} rows written to {out_path} ({already} were already there), {len(bad)} bad rows "
         f"in {err_path}; {meter.tokens} tokens in {secs:.1f} s: {meter.rates()} (engine: prefill "
-        f"{meter.prefill_seconds:.1f} s, decode {meter.decode_seconds:.1f} s)")
+        f"{meter.prefill_seconds:.1f} s, decode {meter.decode_seconds:.1f} s)"
+    )
     if n_proc > 1:
         finish_part(cfg, out_path, lines, summary, settings)
     return summary
@@ -204,14 +232,21 @@ def run_batch(cfg: BatchConfig) -> dict:
 
 def finish_part(cfg: BatchConfig, part: str, lines, summary: dict, settings: dict) -> None:
     """Mark the part complete; merge when every part is (process 0 waits for the others)."""
-    marker = {"rows": summary["rows"], "errors": summary["errors"], "input": input_fingerprint(lines),
-              "num_processes": cfg.num_processes, "settings": settings}
+    marker = {
+        "rows": summary["rows"],
+        "errors": summary["errors"],
+        "input": input_fingerprint(lines),
+        "num_processes": cfg.num_processes,
+        "settings": settings,
+    }
     write_atomic(done_path(part), json.dumps(marker).encode())
     n = cfg.num_processes
     if cfg.process_id == 0 and not parts.wait_for_parts(cfg.output, n, cfg.merge_wait, log):
-        log(f"gave up waiting for parts {parts.missing_parts(cfg.output, n)}: no progress for "
+        log(
+            f"gave up waiting for parts {parts.missing_parts(cfg.output, n)}: no progress for "
             f"{cfg.merge_wait:.0f} s; when they finish, `specjax batch --merge --output {cfg.output} "
-            f"--num-processes {n}`")
+            f"--num-processes {n}`"
+        )
         return
     if not parts.missing_parts(cfg.output, n):
         rows = parts.merge_parts(cfg.output, n)

@@ -28,8 +28,9 @@ from specjax.errors import SpecjaxError
 from specjax.files import write_atomic
 
 
-def init_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None,
-                     stay_connected: bool = False) -> tuple[int, int]:
+def init_distributed(
+    coordinator: str | None, num_processes: int | None, process_id: int | None, stay_connected: bool = False
+) -> tuple[int, int]:
     """Rendezvous through `jax.distributed.initialize`; returns (process id, process count).
 
     `coordinator` "auto" lets JAX detect everything (TPU pods, SLURM, Open MPI); otherwise it is
@@ -86,8 +87,10 @@ def merge_parts(output: str, num_processes: int) -> int:
     missing = missing_parts(output, num_processes)
     if missing:
         cmds = ", ".join(f"--process-id {i}" for i in missing)
-        raise SpecjaxError(f"merge: part(s) {missing} of {num_processes} of {output} are not complete "
-                           f"(no .done marker): rerun those processes ({cmds} --num-processes {num_processes})")
+        raise SpecjaxError(
+            f"merge: part(s) {missing} of {num_processes} of {output} are not complete "
+            f"(no .done marker): rerun those processes ({cmds} --num-processes {num_processes})"
+        )
     markers = []
     for i in range(num_processes):
         with open(done_path(part_path(output, i, num_processes))) as fh:
@@ -98,8 +101,10 @@ def merge_parts(output: str, num_processes: int) -> int:
     for i, m in enumerate(markers):
         for k, v in (m.get("settings") or {}).items():
             if v is not None and settings.setdefault(k, (v, i))[0] != v:
-                raise SpecjaxError(f"merge: the parts of {output} ran with different settings: {k}={settings[k][0]!r} "
-                                   f"in part {settings[k][1]}, {k}={v!r} in part {i}")
+                raise SpecjaxError(
+                    f"merge: the parts of {output} ran with different settings: {k}={settings[k][0]!r} "
+                    f"in part {settings[k][1]}, {k}={v!r} in part {i}"
+                )
     rows, errors, seen = [], [], set()
     for i in range(num_processes):
         part = part_path(output, i, num_processes)
@@ -125,13 +130,17 @@ def wait_for_parts(output: str, num_processes: int, stall_seconds: float, log) -
         missing = missing_parts(output, num_processes)
         if not missing:
             return True
-        sizes = [os.path.getsize(p) if os.path.exists(p) else -1
-                 for p in (part_path(output, i, num_processes) for i in missing)]
+        sizes = [
+            os.path.getsize(p) if os.path.exists(p) else -1
+            for p in (part_path(output, i, num_processes) for i in missing)
+        ]
         if sizes != last_sizes:
             last_sizes, last_change = sizes, time.monotonic()
         if not told:
-            log(f"waiting for part(s) {missing} of {num_processes} to merge them into {output} (a failed process "
-                f"is rerun alone: the same command without --coordinator)")
+            log(
+                f"waiting for part(s) {missing} of {num_processes} to merge them into {output} (a failed process "
+                f"is rerun alone: the same command without --coordinator)"
+            )
             told = True
         if time.monotonic() - last_change > stall_seconds:
             return False

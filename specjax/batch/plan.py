@@ -67,8 +67,15 @@ def measure_class(batch, size, model, mesh, drafters: dict, cfg) -> dict | None:
     ids, params = batch_inputs(batch, size)
     engine = get_engine(model, mesh)
     try:
-        return measure_gains(engine, ids, params, model.config.eos_token_ids, drafters,
-                             {k: d.label(cfg.drafter) for k, d in drafters.items()}, rows=len(batch))
+        return measure_gains(
+            engine,
+            ids,
+            params,
+            model.config.eos_token_ids,
+            drafters,
+            {k: d.label(cfg.drafter) for k, d in drafters.items()},
+            rows=len(batch),
+        )
     except SpecjaxError:
         return None
     except Exception as e:
@@ -89,10 +96,18 @@ def generate_batch(batch, size, model, cfg, mesh, spec: bool, costs, num_draft: 
 
     def gen(rows, n):
         ids, params = batch_inputs(rows, max(n, len(rows)))
-        out = specjax.generate(ids, model=model, sampling=params, drafter=cfg.drafter if spec else "none",
-                               num_draft=num_draft if spec else 0, tree_topk=cfg.tree_topk if spec else 1,
-                               tree_depth=cfg.tree_depth, mesh=mesh,
-                               spec_policy="always" if costs is None else "auto", spec_costs=costs)
+        out = specjax.generate(
+            ids,
+            model=model,
+            sampling=params,
+            drafter=cfg.drafter if spec else "none",
+            num_draft=num_draft if spec else 0,
+            tree_topk=cfg.tree_topk if spec else 1,
+            tree_depth=cfg.tree_depth,
+            mesh=mesh,
+            spec_policy="always" if costs is None else "auto",
+            spec_costs=costs,
+        )
         return out[: len(rows)]
 
     def run(rows, n):
@@ -105,11 +120,20 @@ def generate_batch(batch, size, model, cfg, mesh, spec: bool, costs, num_draft: 
             if not out_of_memory(e):
                 raise
             if len(rows) == 1:
-                return [(rows[0], SpecjaxError(f"out of device memory even alone ({len(rows[0].token_ids)} "
-                                               f"prompt tokens in a batch of {n}): {first_line(e)}"))]
+                return [
+                    (
+                        rows[0],
+                        SpecjaxError(
+                            f"out of device memory even alone ({len(rows[0].token_ids)} "
+                            f"prompt tokens in a batch of {n}): {first_line(e)}"
+                        ),
+                    )
+                ]
             half = (len(rows) + 1) // 2
-            log(f"a batch of {len(rows)} rows (padded to {n}, prompts up to {len(rows[-1].token_ids)} tokens) ran "
-                f"out of device memory; running it as two batches")
+            log(
+                f"a batch of {len(rows)} rows (padded to {n}, prompts up to {len(rows[-1].token_ids)} tokens) ran "
+                f"out of device memory; running it as two batches"
+            )
             return [x for part in (rows[:half], rows[half:]) for x in run(part, batch_rows(len(part), n, data))]
         out = []
         for r in rows:

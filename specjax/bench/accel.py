@@ -87,12 +87,34 @@ class Preset:
 
 
 PRESETS = {
-    "h200": Preset(models=("llama3_8b", "default"), forward_ts=(1, 2, 4, 8, 16, 32, 64), forward_context=512,
-                   prompt_len=128, decode_tokens=128, sampler_vocab=128256, batch_sizes=(1, 2, 4, 8, 16, 32, 64),
-                   copy_bytes=2 << 30, repeats=5, time_budget=450.0, fraction_ks=(3, 7), lossless_model="default"),
-    "cpu-smoke": Preset(models=("tiny",), forward_ts=(1, 2, 4), forward_context=16, prompt_len=8, decode_tokens=8,
-                        sampler_vocab=512, batch_sizes=(1, 2, 4), copy_bytes=8 << 20, repeats=2, time_budget=120.0,
-                        fraction_ks=(3,), lossless_model="tiny"),
+    "h200": Preset(
+        models=("llama3_8b", "default"),
+        forward_ts=(1, 2, 4, 8, 16, 32, 64),
+        forward_context=512,
+        prompt_len=128,
+        decode_tokens=128,
+        sampler_vocab=128256,
+        batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+        copy_bytes=2 << 30,
+        repeats=5,
+        time_budget=450.0,
+        fraction_ks=(3, 7),
+        lossless_model="default",
+    ),
+    "cpu-smoke": Preset(
+        models=("tiny",),
+        forward_ts=(1, 2, 4),
+        forward_context=16,
+        prompt_len=8,
+        decode_tokens=8,
+        sampler_vocab=512,
+        batch_sizes=(1, 2, 4),
+        copy_bytes=8 << 20,
+        repeats=2,
+        time_budget=120.0,
+        fraction_ks=(3,),
+        lossless_model="tiny",
+    ),
 }
 
 # Labelled as assumptions wherever they appear: typical of a trained draft head on chat data.
@@ -102,8 +124,11 @@ ASSUMED_MALS = ({"drafter": "assumed", "num_draft": 3, "mal": 2.4}, {"drafter": 
 def load_mals(path: str | None) -> dict:
     """MALs per drafter/K from a `specjax bench --json-out` report, or the assumed ones."""
     if path is None:
-        return {"source": "assumed (not measured): pass --mal-from bench.json for measured MALs", "assumed": True,
-                "entries": [dict(e) for e in ASSUMED_MALS]}
+        return {
+            "source": "assumed (not measured): pass --mal-from bench.json for measured MALs",
+            "assumed": True,
+            "entries": [dict(e) for e in ASSUMED_MALS],
+        }
     try:
         with open(path) as fh:
             rows = json.load(fh)["results"]
@@ -116,12 +141,16 @@ def load_mals(path: str | None) -> dict:
         raise SpecjaxError(f"--mal-from {path}: {e.strerror}") from None
     except (ValueError, KeyError, TypeError) as e:
         raise SpecjaxError(
-            f"--mal-from {path}: not a `specjax bench --json-out` report ({type(e).__name__}: {e})") from None
+            f"--mal-from {path}: not a `specjax bench --json-out` report ({type(e).__name__}: {e})"
+        ) from None
     if not by:
         raise SpecjaxError(f"--mal-from {path}: no speculative rows (drafter other than none)")
     entries = [{"drafter": d, "num_draft": k, "mal": statistics.mean(v)} for (d, k), v in sorted(by.items())]
-    return {"source": f"{path} (mean over its suites, batch sizes and temperatures)", "assumed": False,
-            "entries": entries}
+    return {
+        "source": f"{path} (mean over its suites, batch sizes and temperatures)",
+        "assumed": False,
+        "entries": entries,
+    }
 
 
 def build_model(shape: str, model_path: str | None, dtype: str | None):
@@ -153,11 +182,21 @@ def measure_decode(shape: str, model, weights: str, p: Preset, bandwidth: float,
     wbytes = model.weight_bytes()
     log(f"{model.name}: plain decode {tps:.1f} tok/s at batch 1")
     return {
-        "name": model.name, "shape": shape, "weights": weights, "dtype": str(model.dtype),
-        "params": cfg.num_params(), "weight_bytes": wbytes, "prompt_len": p.prompt_len,
-        "decode_tokens": p.decode_tokens, "decode_tokens_per_second": tps, "compile_seconds": engine.compile_seconds,
-        "roofline_tokens_per_second": bandwidth * 1e9 / wbytes, "roofline_fraction": wbytes * tps / (bandwidth * 1e9),
-        "forward_context": p.forward_context, "forward_seconds": {}, "forward_cost_vs_t1": {},
+        "name": model.name,
+        "shape": shape,
+        "weights": weights,
+        "dtype": str(model.dtype),
+        "params": cfg.num_params(),
+        "weight_bytes": wbytes,
+        "prompt_len": p.prompt_len,
+        "decode_tokens": p.decode_tokens,
+        "decode_tokens_per_second": tps,
+        "compile_seconds": engine.compile_seconds,
+        "roofline_tokens_per_second": bandwidth * 1e9 / wbytes,
+        "roofline_fraction": wbytes * tps / (bandwidth * 1e9),
+        "forward_context": p.forward_context,
+        "forward_seconds": {},
+        "forward_cost_vs_t1": {},
     }
 
 
@@ -203,9 +242,17 @@ def project(models: list[dict], mals: dict, sampler: dict[tuple[int, int], float
                 samp = sampler.get((b, k))
                 if plain is None or spec is None or samp is None:
                     continue
-                out.append({"model": m["name"], "drafter": e["drafter"], "num_draft": k, "mal": e["mal"],
-                            "batch_size": b, "verify_tokens": b * (k + 1),
-                            "projected_speedup": e["mal"] * plain / (spec + samp)})
+                out.append(
+                    {
+                        "model": m["name"],
+                        "drafter": e["drafter"],
+                        "num_draft": k,
+                        "mal": e["mal"],
+                        "batch_size": b,
+                        "verify_tokens": b * (k + 1),
+                        "projected_speedup": e["mal"] * plain / (spec + samp),
+                    }
+                )
     return out
 
 
@@ -255,8 +302,13 @@ def measure_sampler(p: Preset, mals: dict, budget: Budget, log) -> tuple[list[di
                 auto[(b, k)] = row["seconds"] = sampler_seconds(p.sampler_vocab, b, k, "auto", True, p.repeats)
             except Exception as err:  # the kernel did not lower: project with the jnp reference
                 row["error"] = _error(err)
-                ref = {"implementation": "reference", "q": "dense", "batch_size": b, "num_draft": k,
-                       "fallback_for": "auto"}
+                ref = {
+                    "implementation": "reference",
+                    "q": "dense",
+                    "batch_size": b,
+                    "num_draft": k,
+                    "fallback_for": "auto",
+                }
                 auto[(b, k)] = ref["seconds"] = sampler_seconds(p.sampler_vocab, b, k, "reference", True, p.repeats)
                 rows.append(ref)
             rows.append(row)
@@ -286,8 +338,16 @@ def run_checks(p: Preset, model_path: str | None, budget: Budget, log) -> dict:
     return checks
 
 
-def run_preset(name: str, model_path: str | None = None, dtype: str | None = None, mal_from: str | None = None,
-               json_out: str | None = None, time_budget: float | None = None, console=None, out=None) -> dict:
+def run_preset(
+    name: str,
+    model_path: str | None = None,
+    dtype: str | None = None,
+    mal_from: str | None = None,
+    json_out: str | None = None,
+    time_budget: float | None = None,
+    console=None,
+    out=None,
+) -> dict:
     """Run a preset (order: what the projections need most comes first), print, write JSON."""
     from rich.console import Console
 
@@ -311,8 +371,10 @@ def run_preset(name: str, model_path: str | None = None, dtype: str | None = Non
                 model = None
             if model is not None:
                 if weights == "random":
-                    log(f"{model.name}: {shape} shape with random {model.dtype} weights "
-                        "(speed only; outputs meaningless)")
+                    log(
+                        f"{model.name}: {shape} shape with random {model.dtype} weights "
+                        "(speed only; outputs meaningless)"
+                    )
                 row = measure_decode(shape, model, weights, p, statistics.median(bws), log)
                 models.append(row)
                 if budget.allows(f"forward costs of {shape}", log):
@@ -329,14 +391,26 @@ def run_preset(name: str, model_path: str | None = None, dtype: str | None = Non
         m["roofline_fraction"] = m["decode_tokens_per_second"] / m["roofline_tokens_per_second"]
     for r in sampler_rows or []:
         if "seconds" in r and r["implementation"] != "auto" and r["batch_size"] == 1 and "fallback_for" not in r:
-            r["fraction_of_verify"] = {m["name"]: r["seconds"] / m["forward_seconds"][str(r["num_draft"] + 1)]
-                                       for m in models if str(r["num_draft"] + 1) in m["forward_seconds"]}
+            r["fraction_of_verify"] = {
+                m["name"]: r["seconds"] / m["forward_seconds"][str(r["num_draft"] + 1)]
+                for m in models
+                if str(r["num_draft"] + 1) in m["forward_seconds"]
+            }
     report = {
-        "kind": "accel", "preset": name, "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "time_budget_s": budget.seconds,
-        "bandwidth_gbs": bw, "bandwidth_measurements_gbs": bws, "models": models,
-        "sampler": {"vocab": p.sampler_vocab, "rows": sampler_rows or []}, "mals": mals,
-        "projections": project(models, mals, auto, p.batch_sizes), "checks": checks, "skipped": budget.skipped,
+        "kind": "accel",
+        "preset": name,
+        "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "time_budget_s": budget.seconds,
+        "bandwidth_gbs": bw,
+        "bandwidth_measurements_gbs": bws,
+        "models": models,
+        "sampler": {"vocab": p.sampler_vocab, "rows": sampler_rows or []},
+        "mals": mals,
+        "projections": project(models, mals, auto, p.batch_sizes),
+        "checks": checks,
+        "skipped": budget.skipped,
     }
     report["elapsed_s"] = budget.elapsed()
     path = json_out or f"accel-{name}.json"
@@ -353,16 +427,23 @@ def print_summary(report: dict, console=None) -> None:
     from rich.table import Table
 
     console = console or wide_console()
-    t = Table(title=f"accelerator preset {report['preset']} — {report['device']} ({report['backend']}), "
-              f"copy bandwidth {report['bandwidth_gbs']:.0f} GB/s")
+    t = Table(
+        title=f"accelerator preset {report['preset']} — {report['device']} ({report['backend']}), "
+        f"copy bandwidth {report['bandwidth_gbs']:.0f} GB/s"
+    )
     ts = sorted({int(x) for m in report["models"] for x in m["forward_cost_vs_t1"]})
     for col in ["model", "weights", "GB", "decode tok/s", "roofline"] + [f"T={x}" for x in ts if x > 1]:
         t.add_column(col, justify="right")
     for m in report["models"]:
         cost = m["forward_cost_vs_t1"]
-        t.add_row(m["name"], f"{m['weights']} {m['dtype']}", f"{m['weight_bytes'] / 1e9:.2f}",
-                  f"{m['decode_tokens_per_second']:.1f}", f"{100 * m['roofline_fraction']:.0f}%",
-                  *[f"{cost[str(x)]:.2f}x" if str(x) in cost else "-" for x in ts if x > 1])
+        t.add_row(
+            m["name"],
+            f"{m['weights']} {m['dtype']}",
+            f"{m['weight_bytes'] / 1e9:.2f}",
+            f"{m['decode_tokens_per_second']:.1f}",
+            f"{100 * m['roofline_fraction']:.0f}%",
+            *[f"{cost[str(x)]:.2f}x" if str(x) in cost else "-" for x in ts if x > 1],
+        )
     console.print(t)
     s = Table(title=f"rejection sampler, vocab {report['sampler']['vocab']}: share of one verify step (B=1)")
     names = [m["name"] for m in report["models"]]
@@ -375,8 +456,13 @@ def print_summary(report: dict, console=None) -> None:
             s.add_row(r["implementation"], r["q"], str(r["num_draft"]), "failed", *["-"] * len(names))
             continue
         frac = r.get("fraction_of_verify", {})
-        s.add_row(r["implementation"], r["q"], str(r["num_draft"]), f"{1e3 * r['seconds']:.3f}",
-                  *[f"{100 * frac[n]:.1f}%" if n in frac else "-" for n in names])
+        s.add_row(
+            r["implementation"],
+            r["q"],
+            str(r["num_draft"]),
+            f"{1e3 * r['seconds']:.3f}",
+            *[f"{100 * frac[n]:.1f}%" if n in frac else "-" for n in names],
+        )
     console.print(s)
     bs = sorted({r["batch_size"] for r in report["projections"]})
     pt = Table(title=f"projected speedup (MAL: {report['mals']['source']})")
@@ -384,8 +470,11 @@ def print_summary(report: dict, console=None) -> None:
         pt.add_column(col, justify="right")
     keys = sorted({(r["model"], r["drafter"], r["num_draft"], r["mal"]) for r in report["projections"]})
     for key in keys:
-        by_b = {r["batch_size"]: r["projected_speedup"] for r in report["projections"]
-                if (r["model"], r["drafter"], r["num_draft"], r["mal"]) == key}
+        by_b = {
+            r["batch_size"]: r["projected_speedup"]
+            for r in report["projections"]
+            if (r["model"], r["drafter"], r["num_draft"], r["mal"]) == key
+        }
         pt.add_row(key[0], key[1], str(key[2]), f"{key[3]:.2f}", *[f"{by_b[b]:.2f}x" if b in by_b else "-" for b in bs])
     console.print(pt)
     for r in report["sampler"]["rows"]:
@@ -393,11 +482,23 @@ def print_summary(report: dict, console=None) -> None:
             console.print(f"sampler {r['implementation']} B={r['batch_size']} K={r['num_draft']} failed: {r['error']}")
     kc = report["checks"]["kernel"]
     if kc is not None:
-        console.print(f"kernel vs reference (vocab {kc.get('vocab')}): " + (kc["error"] if "error" in kc else
-                      f"{kc['rows_equal']}/{kc['rows']} rows equal" + (" (bit-exact)" if kc["bit_exact"] else "")))
+        console.print(
+            f"kernel vs reference (vocab {kc.get('vocab')}): "
+            + (
+                kc["error"]
+                if "error" in kc
+                else f"{kc['rows_equal']}/{kc['rows']} rows equal" + (" (bit-exact)" if kc["bit_exact"] else "")
+            )
+        )
     for c in report["checks"]["lossless"]:
-        console.print(f"greedy ngram K={c.get('num_draft')} vs plain, {c['dtype']}: " + (c["error"] if "error" in c
-                      else f"{'identical' if c['identical'] else 'DIFFERENT'} on {c['prompts']} prompts "
-                      f"(MAL {c['mean_accepted_length']:.2f})"))
+        console.print(
+            f"greedy ngram K={c.get('num_draft')} vs plain, {c['dtype']}: "
+            + (
+                c["error"]
+                if "error" in c
+                else f"{'identical' if c['identical'] else 'DIFFERENT'} on {c['prompts']} prompts "
+                f"(MAL {c['mean_accepted_length']:.2f})"
+            )
+        )
     for sk in report["skipped"]:
         console.print(f"skipped {sk['part']}: {sk['reason']}")

@@ -54,6 +54,11 @@ def lossless_check(model, max_new: int = 32, k: int = 5) -> dict:
     plain = eng.generate(prompts, params)
     spec = eng.generate(prompts, params, drafter=NgramDrafter(k))
     steps = sum(r.steps for r in spec)
-    return {"dtype": str(model.dtype), "drafter": "ngram", "num_draft": k, "prompts": len(prompts),
-            "identical": all(a.token_ids == b.token_ids for a, b in zip(plain, spec)),
-            "mean_accepted_length": sum(len(r.token_ids) - 1 for r in spec) / max(steps, 1)}  # prefill's token aside
+    return {
+        "dtype": str(model.dtype),
+        "drafter": "ngram",
+        "num_draft": k,
+        "prompts": len(prompts),
+        "identical": all(a.token_ids == b.token_ids for a, b in zip(plain, spec)),
+        "mean_accepted_length": sum(len(r.token_ids) - 1 for r in spec) / max(steps, 1),
+    }  # prefill's token aside

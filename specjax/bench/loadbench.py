@@ -93,8 +93,14 @@ def start_modes(engine: SlotEngine, cfg: ServingConfig, eos_ids, modes) -> dict[
     return {m: Scheduler(engine, dataclasses.replace(cfg, policy=m), eos_ids=eos_ids).start() for m in modes}
 
 
-def run_point(sched: Scheduler, clients: int, n_requests: int, prompts: dict[str, list[list[int]]],
-              max_tokens: int, interactive_share: float) -> dict:
+def run_point(
+    sched: Scheduler,
+    clients: int,
+    n_requests: int,
+    prompts: dict[str, list[list[int]]],
+    max_tokens: int,
+    interactive_share: float,
+) -> dict:
     """One load point on a running scheduler (its policy is the mode): C closed-loop clients,
     each through its own request list."""
     mode = sched.cfg.policy
@@ -115,8 +121,10 @@ def run_point(sched: Scheduler, clients: int, n_requests: int, prompts: dict[str
                 done.append(req)
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=work, daemon=True)
-               for work in client_requests(clients, n_requests, interactive_share)]
+    threads = [
+        threading.Thread(target=client, args=work, daemon=True)
+        for work in client_requests(clients, n_requests, interactive_share)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -126,22 +134,29 @@ def run_point(sched: Scheduler, clients: int, n_requests: int, prompts: dict[str
     for r in done:
         ks.update(r.k_steps)
     decisions = [d for d in sched.log.recent() if d["kind"] in SPEC_DECISIONS and d["seq"] > first_seq]
-    row = {"mode": mode, "clients": clients, "requests": len(done), "seconds": wall,
-           "tokens": sum(len(r.token_ids) for r in done),
-           "steps_by_k": {str(k): v for k, v in sorted(ks.items())},
-           "k_changes": sum(d["kind"] == "k" for d in decisions),
-           "fallback_switches": sum(d["kind"] in ("spec_off", "spec_on") for d in decisions),
-           "live_step_costs": sched.costs.to_dict(live=True),
-           # where the scheduler's time went: per bucket and K the steps run and ms per step,
-           # chunks, bucket changes, and compiles on the hot path (should be 0)
-           "steps_ms_by_bucket_k": {f"{b}:{k}": [n, 1e3 * (sched.chunk_time[(b, k)] - time0[(b, k)]) / n]
-                                    for b, k in sorted(sched.chunk_steps)
-                                    if (n := sched.chunk_steps[(b, k)] - steps0[(b, k)])},
-           "resizes": sched.resizes - resizes0,
-           "chunk_seconds": sum(sched.chunk_time.values()) - sum(time0.values()),
-           "chunks": sched.chunks - iter0,
-           "compiles": sched.engine.compiles_after_warmup - compiles0,
-           "decisions": decisions}
+    row = {
+        "mode": mode,
+        "clients": clients,
+        "requests": len(done),
+        "seconds": wall,
+        "tokens": sum(len(r.token_ids) for r in done),
+        "steps_by_k": {str(k): v for k, v in sorted(ks.items())},
+        "k_changes": sum(d["kind"] == "k" for d in decisions),
+        "fallback_switches": sum(d["kind"] in ("spec_off", "spec_on") for d in decisions),
+        "live_step_costs": sched.costs.to_dict(live=True),
+        # where the scheduler's time went: per bucket and K the steps run and ms per step,
+        # chunks, bucket changes, and compiles on the hot path (should be 0)
+        "steps_ms_by_bucket_k": {
+            f"{b}:{k}": [n, 1e3 * (sched.chunk_time[(b, k)] - time0[(b, k)]) / n]
+            for b, k in sorted(sched.chunk_steps)
+            if (n := sched.chunk_steps[(b, k)] - steps0[(b, k)])
+        },
+        "resizes": sched.resizes - resizes0,
+        "chunk_seconds": sum(sched.chunk_time.values()) - sum(time0.values()),
+        "chunks": sched.chunks - iter0,
+        "compiles": sched.engine.compiles_after_warmup - compiles0,
+        "decisions": decisions,
+    }
     row["tokens_per_second"] = row["tokens"] / wall
     for cls in ("interactive", "batch"):
         rs = [r for r in done if r.latency_class == cls]
@@ -181,17 +196,32 @@ def summarize(points: list[dict]) -> list[dict]:
                 if p["clients"] == c and "repeat" in p:
                     per_rep[p["repeat"]][p["mode"]] = p["tokens_per_second"]
             for name, ref in (("best_fixed", ("always", "never")), ("plain", ("never",))):
-                ratios = [r["rules"] / max(r[m] for m in ref if m in r) for r in per_rep.values()
-                          if "rules" in r and any(m in r for m in ref)]
+                ratios = [
+                    r["rules"] / max(r[m] for m in ref if m in r)
+                    for r in per_rep.values()
+                    if "rules" in r and any(m in r for m in ref)
+                ]
                 if ratios:
                     s[f"rules_vs_{name}_paired"] = statistics.median(ratios)
         out.append(s)
     return out
 
 
-def run_sweep(model, drafter: str, cfg: ServingConfig, loads: list[int], modes: list[str], requests_per_load: int,
-              max_tokens: int, suites: str, interactive_share: float, json_out: str | None, seed: int = 0,
-              repeats: int = 1, log=None) -> dict:
+def run_sweep(
+    model,
+    drafter: str,
+    cfg: ServingConfig,
+    loads: list[int],
+    modes: list[str],
+    requests_per_load: int,
+    max_tokens: int,
+    suites: str,
+    interactive_share: float,
+    json_out: str | None,
+    seed: int = 0,
+    repeats: int = 1,
+    log=None,
+) -> dict:
     from rich.console import Console
     from rich.table import Table
 
@@ -209,24 +239,54 @@ def run_sweep(model, drafter: str, cfg: ServingConfig, loads: list[int], modes: 
             for rep in range(repeats):
                 for mode in run_order(modes, rep):
                     say(f"load {c} clients, mode {mode}, run {rep + 1}/{repeats} ...")
-                    points.append(run_point(scheds[mode], c, requests_per_load, prompts, max_tokens,
-                                            interactive_share) | {"repeat": rep})
+                    points.append(
+                        run_point(scheds[mode], c, requests_per_load, prompts, max_tokens, interactive_share)
+                        | {"repeat": rep}
+                    )
     finally:
         for sc in scheds.values():
             sc.stop()
-    result = {"model": model.name, "drafter": drafter, "ks": list(engine.ks), "buckets": list(engine.buckets),
-              "max_tokens": max_tokens, "requests_per_load": requests_per_load, "repeats": repeats, "suites": suites,
-              "step_costs": base.costs.to_dict(), "points": points, "summary": summarize(points)}
-    table = Table(title=f"serve-bench: {model.name}, drafter {drafter}, K in {list(engine.ks)}, "
-                        f"buckets {list(engine.buckets)}")
-    for col in ("clients", "mode", "tok/s", "ITL int. ms", "ITL batch ms", "TTFT int. ms", "TTFT batch ms", "MAL",
-                "steps K:n"):
+    result = {
+        "model": model.name,
+        "drafter": drafter,
+        "ks": list(engine.ks),
+        "buckets": list(engine.buckets),
+        "max_tokens": max_tokens,
+        "requests_per_load": requests_per_load,
+        "repeats": repeats,
+        "suites": suites,
+        "step_costs": base.costs.to_dict(),
+        "points": points,
+        "summary": summarize(points),
+    }
+    table = Table(
+        title=f"serve-bench: {model.name}, drafter {drafter}, K in {list(engine.ks)}, buckets {list(engine.buckets)}"
+    )
+    for col in (
+        "clients",
+        "mode",
+        "tok/s",
+        "ITL int. ms",
+        "ITL batch ms",
+        "TTFT int. ms",
+        "TTFT batch ms",
+        "MAL",
+        "steps K:n",
+    ):
         table.add_column(col)
     fmt = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
     for p in points:
-        table.add_row(str(p["clients"]), p["mode"], fmt(p["tokens_per_second"]), fmt(p["itl_ms_interactive"]),
-                      fmt(p["itl_ms_batch"]), fmt(p["ttft_ms_interactive"]), fmt(p["ttft_ms_batch"]),
-                      f"{p['mal']:.2f}", " ".join(f"{k}:{v}" for k, v in p["steps_by_k"].items()))
+        table.add_row(
+            str(p["clients"]),
+            p["mode"],
+            fmt(p["tokens_per_second"]),
+            fmt(p["itl_ms_interactive"]),
+            fmt(p["itl_ms_batch"]),
+            fmt(p["ttft_ms_interactive"]),
+            fmt(p["ttft_ms_batch"]),
+            f"{p['mal']:.2f}",
+            " ".join(f"{k}:{v}" for k, v in p["steps_by_k"].items()),
+        )
     Console(file=sys.stderr, width=150).print(table)
     for s in result["summary"]:
         parts = [f"{k} {v:.3f}" for k, v in s.items() if k.startswith("rules_vs") or (k == "noise" and v)]

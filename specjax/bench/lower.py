@@ -28,20 +28,51 @@ from specjax.errors import SpecjaxError
 from specjax.models.config import LlamaConfig
 
 SHAPES = {  # published decoders' shapes (config.json of each)
-    "llama-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                            num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-                            max_position_embeddings=8192),
-    "llama-1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
-                            num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
-                            max_position_embeddings=8192, tie_word_embeddings=True),
-    "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                                num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
-                                max_position_embeddings=8192, tie_word_embeddings=True),
+    "llama-8b": LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+    ),
+    "llama-1b": LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
+    "smollm2-135m": LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
 }
 DRAFT_SHAPES = {"llama-8b": "llama-1b"}  # the separate draft model of a target shape
 DRAFTERS = ("none", "ngram", "draft", "mtp", "eagle3")
-HOST_CALLBACKS = ("xla_python_cpu_callback", "xla_python_gpu_callback", "xla_ffi_python_cpu_callback",
-                  "xla_ffi_python_gpu_callback", "host_callback")
+HOST_CALLBACKS = (
+    "xla_python_cpu_callback",
+    "xla_python_gpu_callback",
+    "xla_ffi_python_cpu_callback",
+    "xla_ffi_python_gpu_callback",
+    "host_callback",
+)
 
 
 def _split_abstract(build):
@@ -69,8 +100,11 @@ def _drafter_factory(kind: str, k: int, target, dtype):
         from specjax.drafters.draft_model import DraftModelDrafter
 
         shape = DRAFT_SHAPES.get(target.name)
-        cfg = SHAPES[shape] if shape else dataclasses.replace(target.config,
-                                                              num_layers=max(1, target.config.num_layers // 8))
+        cfg = (
+            SHAPES[shape]
+            if shape
+            else dataclasses.replace(target.config, num_layers=max(1, target.config.num_layers // 8))
+        )
         draft = abstract_model(shape or f"{target.name}-draft", cfg, dtype)
         return (lambda t, w: DraftModelDrafter(k, dataclasses.replace(draft, params=w), t.config)), draft.params
     if kind == "mtp":
@@ -96,14 +130,23 @@ def _drafter_factory(kind: str, k: int, target, dtype):
 
 def _report(exported) -> dict:
     text = exported.mlir_module()
-    calls = sorted(set(re.findall(r"custom_call @([\w$.\-]+)", text)) |
-                   set(re.findall(r'call_target_name = "([^"]+)"', text)))
+    calls = sorted(
+        set(re.findall(r"custom_call @([\w$.\-]+)", text)) | set(re.findall(r'call_target_name = "([^"]+)"', text))
+    )
     return {"ok": True, "custom_calls": calls, "host_callbacks": [c for c in calls if c in HOST_CALLBACKS]}
 
 
-def lower_loop(platform: str, shape: str = "llama-8b", drafter: str = "eagle3", num_draft: int = 7,
-               batch_size: int = 8, prompt_len: int = 128, max_new: int = 128, dtype: str = "bfloat16",
-               temperature: float = 0.0) -> dict:
+def lower_loop(
+    platform: str,
+    shape: str = "llama-8b",
+    drafter: str = "eagle3",
+    num_draft: int = 7,
+    batch_size: int = 8,
+    prompt_len: int = 128,
+    max_new: int = 128,
+    dtype: str = "bfloat16",
+    temperature: float = 0.0,
+) -> dict:
     """Export prefill and the decode loop for `platform` ("tpu" | "cuda" | "cpu"). Returns
     {"prefill": report, "decode": report}, each report {"ok", "custom_calls", "host_callbacks"}
     or {"ok": False, "error": the first line}."""
@@ -127,26 +170,51 @@ def lower_loop(platform: str, shape: str = "llama-8b", drafter: str = "eagle3", 
         else:
             build, wparams = _drafter_factory(drafter, k, target, dt)
             d = build(target, wparams)
-            dparams = jax.eval_shape(lambda tp, wp: build(dataclasses.replace(target, params=tp), wp).params(),
-                                     target.params, wparams)
+            dparams = jax.eval_shape(
+                lambda tp, wp: build(dataclasses.replace(target, params=tp), wp).params(), target.params, wparams
+            )
         b = batch_size
         t, s = Engine(target).shapes([prompt_len] * b, max_new, k)
         sds = jax.ShapeDtypeStruct
         prompt, plen = sds((b, t), jnp.int32), sds((b,), jnp.int32)
         params = [SamplingParams(max_new_tokens=max_new, temperature=temperature)] * b
         samp = jax.tree.map(lambda x: sds(x.shape, x.dtype), SamplingArrays.from_params(params))
-        policy = None if k == 0 else jax.tree.map(lambda x: sds(x.shape, x.dtype),
-                                                  new_policy(b, np.ones(k + 1, np.float32), AUTO))
+        policy = (
+            None
+            if k == 0
+            else jax.tree.map(lambda x: sds(x.shape, x.dtype), new_policy(b, np.ones(k + 1, np.float32), AUTO))
+        )
         pre_static = dict(cache_size=s, feature_layers=d.feature_layers, want_final=d.needs_final_hidden)
         pre_fn = jax.jit(partial(_prefill, target.graphdef, **pre_static))
         cache, last, hidden, final = jax.eval_shape(pre_fn, target.params, prompt, plen)
-        dec_fn = jax.jit(partial(_decode, target.graphdef, drafter=d, all_greedy=temperature == 0.0,
-                                 implementation="auto"))
-        args = {"prefill": (pre_fn, (target.params, prompt, plen)),
-                "decode": (dec_fn, (target.params, dparams, cache, last, prompt, plen, hidden, final, samp,
-                                    sds((b,), jnp.int32), sds((b, 1), jnp.int32), sds((b,), jnp.uint32), policy))}
-        checks = [export.DisabledSafetyCheck.custom_call(n) for n in ("tpu_custom_call", "__gpu$xla.gpu.triton",
-                                                                      "mosaic_gpu_v2", "mosaic_gpu")]
+        dec_fn = jax.jit(
+            partial(_decode, target.graphdef, drafter=d, all_greedy=temperature == 0.0, implementation="auto")
+        )
+        args = {
+            "prefill": (pre_fn, (target.params, prompt, plen)),
+            "decode": (
+                dec_fn,
+                (
+                    target.params,
+                    dparams,
+                    cache,
+                    last,
+                    prompt,
+                    plen,
+                    hidden,
+                    final,
+                    samp,
+                    sds((b,), jnp.int32),
+                    sds((b, 1), jnp.int32),
+                    sds((b,), jnp.uint32),
+                    policy,
+                ),
+            ),
+        }
+        checks = [
+            export.DisabledSafetyCheck.custom_call(n)
+            for n in ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu_v2", "mosaic_gpu")
+        ]
         for name, (fn, a) in args.items():
             try:
                 with warnings.catch_warnings():
@@ -158,8 +226,15 @@ def lower_loop(platform: str, shape: str = "llama-8b", drafter: str = "eagle3", 
     return out
 
 
-def run(platforms: list[str], shape: str, drafters: list[str], num_draft: int, batch_size: int, dtype: str,
-        temperature: float) -> tuple[list[dict], bool]:
+def run(
+    platforms: list[str],
+    shape: str,
+    drafters: list[str],
+    num_draft: int,
+    batch_size: int,
+    dtype: str,
+    temperature: float,
+) -> tuple[list[dict], bool]:
     """`lower_loop` for every platform and drafter, one line printed per function. Returns (rows,
     whether everything lowered with no host callback)."""
     for p in platforms:
@@ -180,7 +255,10 @@ def run(platforms: list[str], shape: str, drafters: list[str], num_draft: int, b
                 what = ("custom calls: " + (", ".join(r["custom_calls"]) or "none")) if r["ok"] else r["error"]
                 if r.get("host_callbacks"):
                     what += "; HOST CALLBACKS: " + ", ".join(r["host_callbacks"])
-                print(f"{shape} {dtype} B={batch_size} {dr} K={num_draft if dr != 'none' else 0} {p:4s} {fn:7s} "
-                      f"{'OK ' if ok else 'FAIL'} {what}", flush=True)
+                print(
+                    f"{shape} {dtype} B={batch_size} {dr} K={num_draft if dr != 'none' else 0} {p:4s} {fn:7s} "
+                    f"{'OK ' if ok else 'FAIL'} {what}",
+                    flush=True,
+                )
                 rows.append(dict(platform=p, drafter=dr, function=fn, **r))
     return rows, good

@@ -40,11 +40,23 @@ DEFAULT_FACTORY = "specjax.bench.peers:load_peer"
 TAIL_LINES = 10
 
 
-def peer_status(status: str, reason: str | None = None, returncode: int | None = None,
-                stderr_tail: list[str] | None = None, rows: int = 0, seconds: float = 0.0) -> dict:
+def peer_status(
+    status: str,
+    reason: str | None = None,
+    returncode: int | None = None,
+    stderr_tail: list[str] | None = None,
+    rows: int = 0,
+    seconds: float = 0.0,
+) -> dict:
     """One entry of the report's `peers_status` (see the module docstring)."""
-    return {"status": status, "reason": reason, "returncode": returncode, "stderr_tail": list(stderr_tail or []),
-            "rows": rows, "seconds": seconds}
+    return {
+        "status": status,
+        "reason": reason,
+        "returncode": returncode,
+        "stderr_tail": list(stderr_tail or []),
+        "rows": rows,
+        "seconds": seconds,
+    }
 
 
 def one_line(st: dict) -> str:
@@ -84,9 +96,16 @@ def run_peer_subprocess(name: str, job: dict, console, progress=None) -> tuple[l
         env = dict(os.environ)
         env.setdefault("GGML_NO_BACKTRACE", "1")
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "specjax.bench.peer_process", path, str(w)],
-                                    pass_fds=(w,), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, errors="replace", env=env)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "specjax.bench.peer_process", path, str(w)],
+                pass_fds=(w,),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+                env=env,
+            )
         finally:
             os.close(w)
 
@@ -185,8 +204,17 @@ def _main(job_path: str, fd: int) -> int:
     try:
         module, _, fn = job.get("factory", DEFAULT_FACTORY).partition(":")
         peer, configs = getattr(importlib.import_module(module), fn)(name, job)
-        run_peer(peer, configs, job["suite_ids"], job["temperatures"], job["max_new_tokens"], job["repeats"],
-                 events, events, on_rows=lambda group: events.send(ev="rows", rows=group))
+        run_peer(
+            peer,
+            configs,
+            job["suite_ids"],
+            job["temperatures"],
+            job["max_new_tokens"],
+            job["repeats"],
+            events,
+            events,
+            on_rows=lambda group: events.send(ev="rows", rows=group),
+        )
     except Exception as e:  # a Python-level failure: report it; a crash below Python cannot be
         import traceback
 

@@ -74,8 +74,9 @@ def load_hf_causal_lm(source: str):
 
     try:
         if os.path.isfile(source) and _is_gguf(source):
-            m = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(source)),
-                                                     gguf_file=os.path.basename(source), dtype=torch.float32)
+            m = AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(os.path.abspath(source)), gguf_file=os.path.basename(source), dtype=torch.float32
+            )
         else:
             m = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     except Exception as e:
@@ -125,15 +126,25 @@ class HFPeer:
                 out += [PeerConfig("assisted", k, f"assisted:{path or 'draft'}", assistant) for k in num_drafts]
         return out
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-                 config: PeerConfig | None = None) -> list[int]:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        config: PeerConfig | None = None,
+    ) -> list[int]:
         """Generated token ids (the stop token included, as specjax reports them)."""
         import torch
 
         config = config or PeerConfig("plain", 0, "none")
         inp = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T]
-        kw = dict(attention_mask=torch.ones_like(inp), max_new_tokens=max_new_tokens,
-                  eos_token_id=self.eos_ids or None, pad_token_id=self.eos_ids[0] if self.eos_ids else 0)
+        kw = dict(
+            attention_mask=torch.ones_like(inp),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.eos_ids or None,
+            pad_token_id=self.eos_ids[0] if self.eos_ids else 0,
+        )
         if temperature > 0:  # the same law as specjax's: no implicit top-k/top-p
             kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
             torch.manual_seed(seed)
@@ -149,7 +160,7 @@ class HFPeer:
             kw["assistant_model"] = config.extra
         with torch.inference_mode():
             out = self.model.generate(inp, **kw)  # [1, T + new]
-        return out[0, len(prompt_ids):].tolist()
+        return out[0, len(prompt_ids) :].tolist()
 
 
 class LlamaCppPeer:
@@ -171,8 +182,9 @@ class LlamaCppPeer:
         from llama_cpp import Llama
 
         self.path, self.n_ctx = gguf_path, int(n_ctx)
-        self.llm = Llama(model_path=gguf_path, n_ctx=self.n_ctx, n_threads=threads, n_threads_batch=threads,
-                         verbose=False)
+        self.llm = Llama(
+            model_path=gguf_path, n_ctx=self.n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False
+        )
         self._lookup = None  # the logits-for-all context, made on first use
         self.eos_ids = {int(e) for e in eos_ids}
         self.threads = threads
@@ -185,9 +197,15 @@ class LlamaCppPeer:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         if self._lookup is None:
-            self._lookup = Llama(model_path=self.path, n_ctx=self.n_ctx, n_threads=self.threads,
-                                 n_threads_batch=self.threads, logits_all=True,
-                                 draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k), verbose=False)
+            self._lookup = Llama(
+                model_path=self.path,
+                n_ctx=self.n_ctx,
+                n_threads=self.threads,
+                n_threads_batch=self.threads,
+                logits_all=True,
+                draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k),
+                verbose=False,
+            )
         self._lookup.draft_model = LlamaPromptLookupDecoding(num_pred_tokens=k)
         return self._lookup
 
@@ -198,8 +216,9 @@ class LlamaCppPeer:
         llm.set_seed(seed)
         out = []
         # top_k=0, top_p=1, min_p=0: no truncation, as specjax's defaults; temp 0 is greedy
-        for tok in llm.generate(list(prompt_ids), temp=temperature, top_k=0, top_p=1.0, min_p=0.0,
-                                repeat_penalty=1.0, reset=True):
+        for tok in llm.generate(
+            list(prompt_ids), temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True
+        ):
             out.append(int(tok))
             if tok in self.eos_ids or len(out) >= max_new_tokens:
                 break
@@ -240,8 +259,12 @@ def load_peer(name: str, job: dict):
         peer = HFPeer.load(job["model_source"], job["eos_ids"], threads)
         return peer, peer.configs(job["num_drafts"], job["drafters"], target)
     if name == "llamacpp":
-        peer = LlamaCppPeer(job["model_source"], job["eos_ids"], threads,
-                            context_size(job["suite_ids"], job["max_new_tokens"], job["num_drafts"]))
+        peer = LlamaCppPeer(
+            job["model_source"],
+            job["eos_ids"],
+            threads,
+            context_size(job["suite_ids"], job["max_new_tokens"], job["num_drafts"]),
+        )
         return peer, peer.configs(job["num_drafts"], job["drafters"])
     raise SpecjaxError(f"unknown peer {name!r} (known: {', '.join(KNOWN_PEERS)})")
 
@@ -251,8 +274,17 @@ def peer_prompt_runs(n_configs: int, suite_ids: dict[str, list], n_temperatures:
     return n_configs * n_temperatures * sum(1 + repeats * len(ids) for ids in suite_ids.values())
 
 
-def run_peer(peer, configs: list[PeerConfig], suite_ids: dict[str, list[list[int]]], temperatures: list[float],
-             max_new_tokens: int, repeats: int, console, progress=None, on_rows=None) -> list[dict]:
+def run_peer(
+    peer,
+    configs: list[PeerConfig],
+    suite_ids: dict[str, list[list[int]]],
+    temperatures: list[float],
+    max_new_tokens: int,
+    repeats: int,
+    console,
+    progress=None,
+    on_rows=None,
+) -> list[dict]:
     """Rows of one peer (speedups are added by `report.add_speedups`). `progress` (a
     `progress.BenchProgress`) follows every configuration and prompt; `on_rows(rows)` gets each
     (suite, temperature) group's rows as soon as they are measured."""
@@ -301,16 +333,26 @@ def run_peer(peer, configs: list[PeerConfig], suite_ids: dict[str, list[list[int
                 for c in configs:
                     f = figures[id(c)]
                     row = {
-                        "peer": peer.name, "method": c.method, "drafter": c.drafter, "label": label(c),
-                        "num_draft": c.num_draft, "suite": suite, "temperature": temp, "batch_size": 1,
-                        "prompts": len(ids), "tokens": statistics.median(t for t, _ in f),
+                        "peer": peer.name,
+                        "method": c.method,
+                        "drafter": c.drafter,
+                        "label": label(c),
+                        "num_draft": c.num_draft,
+                        "suite": suite,
+                        "temperature": temp,
+                        "batch_size": 1,
+                        "prompts": len(ids),
+                        "tokens": statistics.median(t for t, _ in f),
                         "tokens_per_second": statistics.median(t / s for t, s in f),
                         "tokens_per_second_repeats": [t / s for t, s in f],
-                        "warmup_seconds": warm[id(c)], "threads": peer.threads,
+                        "warmup_seconds": warm[id(c)],
+                        "threads": peer.threads,
                     }
                     group.append(row)
-                    console.log(f"{peer.name} {suite} T={temp:g} {label(c)} K={c.num_draft}: "
-                                f"{row['tokens_per_second']:.1f} tok/s")
+                    console.log(
+                        f"{peer.name} {suite} T={temp:g} {label(c)} K={c.num_draft}: "
+                        f"{row['tokens_per_second']:.1f} tok/s"
+                    )
                 rows += group
                 if on_rows is not None:
                     on_rows(group)

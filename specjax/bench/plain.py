@@ -78,8 +78,17 @@ def forward_costs(model, ts: list[int], context: int, repeats: int, steps: int =
     return {t: statistics.median(v) for t, v in times.items()}
 
 
-def run_plain_bench(model_path=None, dtype=None, batch_sizes=(1, 8, 32), max_new_tokens=64, prompt_len=128,
-                    forward_ts=(1, 2, 4, 8, 16), repeats=3, json_out=None, console=None) -> dict:
+def run_plain_bench(
+    model_path=None,
+    dtype=None,
+    batch_sizes=(1, 8, 32),
+    max_new_tokens=64,
+    prompt_len=128,
+    forward_ts=(1, 2, 4, 8, 16),
+    repeats=3,
+    json_out=None,
+    console=None,
+) -> dict:
     console = console or Console(stderr=True, log_path=False)
     model = load_model(model_path, dtype=dtype)
     engine = Engine(model)
@@ -133,8 +142,13 @@ def run_plain_bench(model_path=None, dtype=None, batch_sizes=(1, 8, 32), max_new
         table.add_column(col, justify="right")
     for r in rows:
         rf = f"{100 * r['roofline_fraction']:.0f}%" if "roofline_fraction" in r else ""
-        table.add_row(str(r["batch_size"]), f"{r['decode_tokens_per_second']:.1f}",
-                      f"{r['prefill_tokens_per_second']:.0f}", f"{r['peak_memory_mb']:.0f}", rf)
+        table.add_row(
+            str(r["batch_size"]),
+            f"{r['decode_tokens_per_second']:.1f}",
+            f"{r['prefill_tokens_per_second']:.0f}",
+            f"{r['peak_memory_mb']:.0f}",
+            rf,
+        )
     out = Console()
     out.print(table)
     t2 = Table(title="forward cost of T tokens vs T = 1 (batch 1)")
@@ -144,8 +158,10 @@ def run_plain_bench(model_path=None, dtype=None, batch_sizes=(1, 8, 32), max_new
     for t, s in costs.items():
         t2.add_row(str(t), f"{1e3 * s:.1f}", f"{result['forward_cost_vs_t1'][str(t)]:.2f}")
     out.print(t2)
-    out.print(f"copy bandwidth {bw:.1f} GB/s; weights {wbytes / 1e6:.0f} MB; "
-              f"roofline {result['roofline_tokens_per_second']:.1f} tok/s at batch 1")
+    out.print(
+        f"copy bandwidth {bw:.1f} GB/s; weights {wbytes / 1e6:.0f} MB; "
+        f"roofline {result['roofline_tokens_per_second']:.1f} tok/s at batch 1"
+    )
     if json_out:
         with open(json_out, "w") as fh:
             json.dump(result, fh, indent=2)

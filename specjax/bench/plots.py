@@ -51,8 +51,13 @@ def plot_speedup(report: dict, path: str) -> None:
             ax.plot([b for b, _ in pts], [s for _, s in pts], marker="o", label=name)
         for p in report.get("peers") or []:
             if (p["suite"], p["temperature"]) == (suite, temp) and p["drafter"] != PLAIN and p.get("speedup"):
-                ax.plot([p["batch_size"]], [p["speedup"]], marker="x", linestyle="none",
-                        label=f"{p['peer']}: {config_name(p)}")
+                ax.plot(
+                    [p["batch_size"]],
+                    [p["speedup"]],
+                    marker="x",
+                    linestyle="none",
+                    label=f"{p['peer']}: {config_name(p)}",
+                )
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         ax.set_xscale("log", base=2)
         bs = sorted({r["batch_size"] for r in report["results"]})

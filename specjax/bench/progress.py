@@ -52,10 +52,18 @@ class BenchProgress:
                 TimeRemainingColumn,
             )
 
-            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"),
-                                      TimeRemainingColumn(), console=self.console, refresh_per_second=2,
-                                      transient=True)
+            self._progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("elapsed"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=self.console,
+                refresh_per_second=2,
+                transient=True,
+            )
             self._progress.start()
         return self
 

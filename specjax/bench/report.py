@@ -87,8 +87,11 @@ def config_name(row: dict) -> str:
     if row["drafter"] == PLAIN:
         return "plain"
     tree = row.get("tree", "chain")
-    return (f"{row['label']} K={row['num_draft']}" + ("" if tree == "chain" else f" tree {tree}")
-            + (" auto" if row.get("spec_policy") == "auto" else ""))
+    return (
+        f"{row['label']} K={row['num_draft']}"
+        + ("" if tree == "chain" else f" tree {tree}")
+        + (" auto" if row.get("spec_policy") == "auto" else "")
+    )
 
 
 def _group_key(row: dict) -> tuple:
@@ -120,12 +123,27 @@ def recommend(rows: list[dict]) -> list[dict]:
             spec = [r for r in by_b[b] if r["drafter"] != PLAIN and r.get("speedup") is not None]
             best = max(spec, key=lambda r: r["speedup"], default=None)
             if best is None or best["speedup"] <= 1.0:
-                entries.append({"batch_size": b, "drafter": PLAIN, "label": "plain", "num_draft": 0,
-                                "spec_policy": "none", "speedup": 1.0})
+                entries.append(
+                    {
+                        "batch_size": b,
+                        "drafter": PLAIN,
+                        "label": "plain",
+                        "num_draft": 0,
+                        "spec_policy": "none",
+                        "speedup": 1.0,
+                    }
+                )
             else:
-                entries.append({"batch_size": b, "drafter": best["drafter"], "label": best["label"],
-                                "num_draft": best["num_draft"], "spec_policy": best.get("spec_policy", "always"),
-                                "speedup": best["speedup"]})
+                entries.append(
+                    {
+                        "batch_size": b,
+                        "drafter": best["drafter"],
+                        "label": best["label"],
+                        "num_draft": best["num_draft"],
+                        "spec_policy": best.get("spec_policy", "always"),
+                        "speedup": best["speedup"],
+                    }
+                )
         plain_at = [e["batch_size"] for e in entries if e["drafter"] == PLAIN]
         plain_from = None
         for e in reversed(entries):  # the longest run of plain wins that reaches the largest B
@@ -138,14 +156,23 @@ def recommend(rows: list[dict]) -> list[dict]:
         ]
         tail = _verdict([e["batch_size"] for e in entries], plain_at, plain_from)
         text = f"{suite} (T={temp:g}): " + ", ".join(parts) + f"; {tail}"
-        out.append({"suite": suite, "temperature": temp, "by_batch": entries, "plain_wins_at": plain_at,
-                    "plain_wins_from": plain_from, "text": text})
+        out.append(
+            {
+                "suite": suite,
+                "temperature": temp,
+                "by_batch": entries,
+                "plain_wins_at": plain_at,
+                "plain_wins_from": plain_from,
+                "text": text,
+            }
+        )
     return out
 
 
 def _verdict(measured: list[int], plain_at: list[int], plain_from: int | None) -> str:
     """The end of a recommendation line; it names the batch sizes measured, so a run at one
     batch size never reads as a claim about every batch size."""
+
     def bs(xs):
         return ", ".join(map(str, xs))
 
@@ -158,13 +185,17 @@ def _verdict(measured: list[int], plain_at: list[int], plain_from: int | None) -
         return f"plain decoding wins at every measured batch size (B={bs(measured)})"
     if plain_from is not None:
         earlier = [b for b in plain_at if b < plain_from]
-        return (f"plain decoding wins from B={plain_from}" + (f" (and at B={bs(earlier)})" if earlier else "")
-                + f"; measured at B={bs(measured)}")
+        return (
+            f"plain decoding wins from B={plain_from}"
+            + (f" (and at B={bs(earlier)})" if earlier else "")
+            + f"; measured at B={bs(measured)}"
+        )
     return f"plain decoding wins at B={bs(plain_at)} only; measured at B={bs(measured)}"
 
 
 def compare_peers(rows: list[dict], peer_rows: list[dict]) -> list[dict]:
     """specjax's best tok/s ÷ each peer's best tok/s, per (suite, temperature, batch size)."""
+
     def best(rs):
         r = max(rs, key=lambda r: r["tokens_per_second"])
         return {"label": config_name(r), "num_draft": r["num_draft"], "tokens_per_second": r["tokens_per_second"]}
@@ -181,8 +212,17 @@ def compare_peers(rows: list[dict], peer_rows: list[dict]) -> list[dict]:
         if not mine:
             continue
         s, p = best(mine), best(prs)
-        out.append({"suite": suite, "temperature": temp, "batch_size": b, "peer": peer, "specjax_best": s,
-                    "peer_best": p, "ratio": s["tokens_per_second"] / p["tokens_per_second"]})
+        out.append(
+            {
+                "suite": suite,
+                "temperature": temp,
+                "batch_size": b,
+                "peer": peer,
+                "specjax_best": s,
+                "peer_best": p,
+                "ratio": s["tokens_per_second"] / p["tokens_per_second"],
+            }
+        )
     return out
 
 
@@ -209,18 +249,37 @@ def print_report(report: dict, console=None) -> None:
 
     console = console or wide_console()
     table = Table(title=f"speculative decoding — {report['model']} ({report['dtype']}, {report['backend']})")
-    for col in ("suite", "T", "B", "config", "tok/s", "speedup", "MAL", "accept", "verified",
-                "draft/verify/accept", "warm-up s", "peak MB"):
+    for col in (
+        "suite",
+        "T",
+        "B",
+        "config",
+        "tok/s",
+        "speedup",
+        "MAL",
+        "accept",
+        "verified",
+        "draft/verify/accept",
+        "warm-up s",
+        "peak MB",
+    ):
         table.add_column(col, justify="right")
     for r in report["results"]:
         ts = r.get("time_share") or {}
         share = "/".join(f"{100 * ts.get(n, 0):.0f}" for n in ("draft", "verify", "accept")) + "%" if ts else "-"
         table.add_row(
-            r["suite"], f"{r['temperature']:g}", str(r["batch_size"]), config_name(r),
-            f"{r['tokens_per_second']:.1f}", _speedup(r),
-            f"{r['mean_accepted_length']:.2f}", _fmt(r.get("acceptance_rate"), ".2f"),
-            _fmt(r.get("verified_share"), ".0%"), share,
-            _fmt(r.get("warmup_seconds"), ".1f"), _fmt(r.get("peak_memory_mb"), ".0f"),
+            r["suite"],
+            f"{r['temperature']:g}",
+            str(r["batch_size"]),
+            config_name(r),
+            f"{r['tokens_per_second']:.1f}",
+            _speedup(r),
+            f"{r['mean_accepted_length']:.2f}",
+            _fmt(r.get("acceptance_rate"), ".2f"),
+            _fmt(r.get("verified_share"), ".0%"),
+            share,
+            _fmt(r.get("warmup_seconds"), ".1f"),
+            _fmt(r.get("peak_memory_mb"), ".0f"),
         )
     console.print(table)
     lost = {p: st for p, st in (report.get("peers_status") or {}).items() if st["status"] in ("failed", "crashed")}
@@ -229,9 +288,16 @@ def print_report(report: dict, console=None) -> None:
         for col in ("peer", "suite", "T", "B", "config", "tok/s", "speedup", "threads"):
             pt.add_column(col, justify="right")
         for r in report.get("peers") or []:
-            pt.add_row(r["peer"], r["suite"], f"{r['temperature']:g}", str(r["batch_size"]), config_name(r),
-                       f"{r['tokens_per_second']:.1f}", _speedup(r),
-                       str(r.get("threads", "-")))
+            pt.add_row(
+                r["peer"],
+                r["suite"],
+                f"{r['temperature']:g}",
+                str(r["batch_size"]),
+                config_name(r),
+                f"{r['tokens_per_second']:.1f}",
+                _speedup(r),
+                str(r.get("threads", "-")),
+            )
         for peer, st in lost.items():  # its unfinished rows: one line saying why they are missing
             pt.add_row(peer, "-", "-", "-", f"{st['status']}: {st['reason']}", "-", "-", "-")
         console.print(pt)

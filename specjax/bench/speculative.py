@@ -66,14 +66,15 @@ class Config:
 
 
 def parse_tree(text: str) -> tuple[int, int]:
-    """"chain" -> (1, 0); "KxD" (a dynamic tree: K children per expanded node, D levels) -> (K, D)."""
+    """ "chain" -> (1, 0); "KxD" (a dynamic tree: K children per expanded node, D levels) -> (K, D)."""
     text = text.strip().lower()
     if text == CHAIN:
         return 1, 0
     k, sep, d = text.partition("x")
     if not (sep and k.isdigit() and d.isdigit() and int(k) >= 2 and int(d) >= 1):
-        raise DrafterError(f"a tree shape is 'chain' or KxD with K >= 2 children and D >= 1 levels (e.g. 4x5), "
-                           f"got {text!r}")
+        raise DrafterError(
+            f"a tree shape is 'chain' or KxD with K >= 2 children and D >= 1 levels (e.g. 4x5), got {text!r}"
+        )
     return int(k), int(d)
 
 
@@ -88,8 +89,13 @@ def check_drafter_names(specs: list[str]) -> None:
             raise DrafterError(f"unknown drafter {s!r} (known: {', '.join(KNOWN)})")
 
 
-def resolve_configs(specs: list[str], num_drafts: list[int], model,
-                    spec_policies: tuple[str, ...] = ("always",), trees: tuple[str, ...] = (CHAIN,)) -> list[Config]:
+def resolve_configs(
+    specs: list[str],
+    num_drafts: list[int],
+    model,
+    spec_policies: tuple[str, ...] = ("always",),
+    trees: tuple[str, ...] = (CHAIN,),
+) -> list[Config]:
     """Plain decoding first, then every drafter x K x tree shape of `trees` x policy of
     `spec_policies` ("always", "auto"), each drafter built through `make_drafter` (via the API's
     drafter cache, so a draft model loads once for all K). Raises DrafterError for unknown names
@@ -148,8 +154,9 @@ def row_params(sampling: SamplingParams, first_row: int, n: int) -> list[Samplin
     return [dataclasses.replace(sampling, seed=(sampling.seed or 0) + first_row + j) for j in range(n)]
 
 
-def run_config(engine: Engine, batches, sampling: SamplingParams, drafter, on_batch=None,
-               costs: np.ndarray | None = None) -> RunFigures:
+def run_config(
+    engine: Engine, batches, sampling: SamplingParams, drafter, on_batch=None, costs: np.ndarray | None = None
+) -> RunFigures:
     """One pass over `batches`; `on_batch(rows)` (progress) is called after each batch. `costs`
     (a `measure_costs` table) runs the per-row fallback (spec_mode AUTO); None verifies whatever
     the drafter proposes."""
@@ -186,8 +193,9 @@ def _setup_fn(graphdef, drafter, cache_size: int, greedy: bool):
     feature_layers, want_final = tuple(drafter.feature_layers), bool(drafter.needs_final_hidden)
 
     def setup(params, dparams, prompt, plen, samp):
-        cache, logits, hid, fin = _prefill(graphdef, params, prompt, plen, cache_size=cache_size,
-                                           feature_layers=feature_layers, want_final=want_final)
+        cache, logits, hid, fin = _prefill(
+            graphdef, params, prompt, plen, cache_size=cache_size, feature_layers=feature_layers, want_final=want_final
+        )
         b, t = prompt.shape
         first = jnp.argmax(logits, -1).astype(jnp.int32)  # [B]
         history = jnp.zeros((b, cache_size), jnp.int32).at[:, :t].set(prompt)  # [B, S]
@@ -217,13 +225,15 @@ def _propose_fn(drafter, greedy: bool):
 @functools.cache
 def _accept_fn(greedy: bool, implementation: str, tree_depth: int):
     if tree_depth:
-        return jax.jit(lambda lg, d, par, samp, seeds: accept_tree(lg, d, par, samp, seeds, greedy, tree_depth,
-                                                                   implementation))
+        return jax.jit(
+            lambda lg, d, par, samp, seeds: accept_tree(lg, d, par, samp, seeds, greedy, tree_depth, implementation)
+        )
     return jax.jit(lambda lg, d, q, samp, seeds: accept_chain(lg, d, q, samp, seeds, greedy, implementation))
 
 
-def component_times(engine: Engine, drafter, prompt_ids: list[int], sampling: SamplingParams, batch: int = 1,
-                    repeats: int = 5) -> dict[str, float]:
+def component_times(
+    engine: Engine, drafter, prompt_ids: list[int], sampling: SamplingParams, batch: int = 1, repeats: int = 5
+) -> dict[str, float]:
     """Median seconds of one draft, one verify forward (T = K + 1; a tree's pass is timed without
     its mask, the same work) and one accept step, for `batch` copies of one prompt."""
     model, k = engine.model, drafter.num_draft
@@ -234,15 +244,17 @@ def component_times(engine: Engine, drafter, prompt_ids: list[int], sampling: Sa
     greedy = sampling.greedy
     dparams = drafter.params()
     cache, first, history, hlen, dstate = _setup_fn(model.graphdef, drafter, s, greedy)(
-        model.params, dparams, prompt, plen, samp)
+        model.params, dparams, prompt, plen, samp
+    )
     seeds = jnp.arange(batch, dtype=jnp.uint32)  # [B]
     out = {}
     if k > 0:
         propose = _propose_fn(drafter, greedy)
         proposal, _ = propose(dparams, dstate, history, hlen, samp, seeds)
         draft, q = proposal.draft, proposal.q  # [B, K], [B, K, V] | None
-        out["draft"] = timed(lambda: jax.block_until_ready(propose(dparams, dstate, history, hlen, samp, seeds)),
-                             repeats)
+        out["draft"] = timed(
+            lambda: jax.block_until_ready(propose(dparams, dstate, history, hlen, samp, seeds)), repeats
+        )
     else:
         draft, q = jnp.zeros((batch, 0), jnp.int32), None
         out["draft"] = 0.0
@@ -262,20 +274,39 @@ def _compiled(engine: Engine) -> dict:
     return dict(engine.compiled.executables)
 
 
-def _row(suite, temp, b, c: Config, runs: list[RunFigures], warm: float, compile_s: float, peak: tuple,
-         compiled_mb, comp: dict) -> dict:
+def _row(
+    suite,
+    temp,
+    b,
+    c: Config,
+    runs: list[RunFigures],
+    warm: float,
+    compile_s: float,
+    peak: tuple,
+    compiled_mb,
+    comp: dict,
+) -> dict:
     """One result row from a configuration's repeats (speedup is added by `report.add_speedups`)."""
     tokens, steps = sum(r.tokens for r in runs), sum(r.steps for r in runs)
     rows = sum(r.rows for r in runs)
     # the prefill emits each row's first token; MAL counts the tokens of draft-verify steps
-    stats = AcceptanceStats.from_counts(steps, tokens - rows, sum(r.checked for r in runs),
-                                        sum(r.accepted for r in runs),
-                                        sum(r.off_chain for r in runs))  # [K] each (K = 0: empty)
+    stats = AcceptanceStats.from_counts(
+        steps,
+        tokens - rows,
+        sum(r.checked for r in runs),
+        sum(r.accepted for r in runs),
+        sum(r.off_chain for r in runs),
+    )  # [K] each (K = 0: empty)
     total = sum(comp.values())
     return {
-        "suite": suite, "temperature": temp, "batch_size": b,
-        "drafter": c.spec, "label": "plain" if c.spec == "none" else rep.short_label(c.spec), "num_draft": c.num_draft,
-        "spec_policy": c.spec_policy, "tree": c.tree,
+        "suite": suite,
+        "temperature": temp,
+        "batch_size": b,
+        "drafter": c.spec,
+        "label": "plain" if c.spec == "none" else rep.short_label(c.spec),
+        "num_draft": c.num_draft,
+        "spec_policy": c.spec_policy,
+        "tree": c.tree,
         "prompts": runs[0].rows,
         "tokens": statistics.median(r.tokens for r in runs),
         "tokens_per_second": statistics.median(r.tokens / r.seconds for r in runs),
@@ -307,13 +338,28 @@ def prompt_runs(suite_ids: dict[str, list], n_configs: int, batch_sizes, n_tempe
 
 
 def _config_label(c: Config) -> str:
-    return rep.config_name({"drafter": c.spec, "label": rep.short_label(c.spec), "num_draft": c.num_draft,
-                            "spec_policy": c.spec_policy, "tree": c.tree})
+    return rep.config_name(
+        {
+            "drafter": c.spec,
+            "label": rep.short_label(c.spec),
+            "num_draft": c.num_draft,
+            "spec_policy": c.spec_policy,
+            "tree": c.tree,
+        }
+    )
 
 
-def run_speculative_bench(model, suite_ids: dict[str, list[list[int]]], configs: list[Config],
-                          batch_sizes: list[int], temperatures: list[float], max_new_tokens: int,
-                          repeats: int, console=None, progress=None) -> list[dict]:
+def run_speculative_bench(
+    model,
+    suite_ids: dict[str, list[list[int]]],
+    configs: list[Config],
+    batch_sizes: list[int],
+    temperatures: list[float],
+    max_new_tokens: int,
+    repeats: int,
+    console=None,
+    progress=None,
+) -> list[dict]:
     """suite_ids: name -> token ids of its prompts. Returns result rows, speedups included.
     `progress` (a `progress.BenchProgress`, optional) is told every configuration and batch."""
     from rich.console import Console
@@ -342,9 +388,14 @@ def run_speculative_bench(model, suite_ids: dict[str, list[list[int]]], configs:
                     stage("warm-up", c, b, group_key)
                     before, c0, t0 = _compiled(engine), engine.compile_seconds, time.perf_counter()
                     if c.spec_policy == "auto" and (c.key, b) not in tables:  # as `generate` gets it
-                        tables[(c.key, b)] = measure_costs(engine, batches[0], row_params(sampling, 0, b),
-                                                           model.config.eos_token_ids, c.drafter,
-                                                           c.drafter.label(c.spec))
+                        tables[(c.key, b)] = measure_costs(
+                            engine,
+                            batches[0],
+                            row_params(sampling, 0, b),
+                            model.config.eos_token_ids,
+                            c.drafter,
+                            c.drafter.label(c.spec),
+                        )
                     run_config(engine, batches[:1], sampling, c.drafter, advance, tables.get((c.key, b)))
                     warm[c.key], comp_s[c.key] = time.perf_counter() - t0, engine.compile_seconds - c0
                     new = [v for k, v in _compiled(engine).items() if k not in before]
@@ -355,8 +406,9 @@ def run_speculative_bench(model, suite_ids: dict[str, list[list[int]]], configs:
                     for c in configs:
                         stage(f"repeat {rep_i + 1}/{repeats}", c, len(batches) * b, group_key)
                         mem.reset()
-                        runs[c.key].append(run_config(engine, batches, sampling, c.drafter, advance,
-                                                      tables.get((c.key, b))))
+                        runs[c.key].append(
+                            run_config(engine, batches, sampling, c.drafter, advance, tables.get((c.key, b)))
+                        )
                         mb, src = mem.read()
                         peaks[c.key] = (max(peaks[c.key][0], mb), src)
                 group, comps = [], {}
@@ -364,12 +416,26 @@ def run_speculative_bench(model, suite_ids: dict[str, list[list[int]]], configs:
                     if c.key[:3] not in comps:
                         comps[c.key[:3]] = component_times(engine, c.drafter, ids[0], sampling, batch=b)
                     comp = comps[c.key[:3]]
-                    group.append(_row(suite, temp, b, c, runs[c.key], warm[c.key], comp_s[c.key], peaks[c.key],
-                                      comp_mb[c.key], comp))
+                    group.append(
+                        _row(
+                            suite,
+                            temp,
+                            b,
+                            c,
+                            runs[c.key],
+                            warm[c.key],
+                            comp_s[c.key],
+                            peaks[c.key],
+                            comp_mb[c.key],
+                            comp,
+                        )
+                    )
                 rep.add_speedups(group)
                 for r in group:
-                    console.log(f"{suite} T={temp:g} B={b} {rep.config_name(r)}: {r['tokens_per_second']:.1f} tok/s, "
-                                f"x{r['speedup']:.2f}, MAL {r['mean_accepted_length']:.2f}")
+                    console.log(
+                        f"{suite} T={temp:g} B={b} {rep.config_name(r)}: {r['tokens_per_second']:.1f} tok/s, "
+                        f"x{r['speedup']:.2f}, MAL {r['mean_accepted_length']:.2f}"
+                    )
                 rows += group
     return rows
 
@@ -379,11 +445,25 @@ def encode_suites(model, suites: dict[str, list]) -> dict[str, list[list[int]]]:
     return {name: [encode_prompt(model, p) for p in prompts] for name, prompts in suites.items()}
 
 
-def bench_suites(model, suites: dict[str, list], drafters: list[str], num_drafts: list[int], batch_sizes: list[int],
-                 temperatures: list[float], max_new_tokens: int, repeats: int, peers: list[str] = (),
-                 json_out: str | None = None, plots_dir: str | None = None, console=None, out=None,
-                 peer_factory: str | None = None, peer_threads: int | None = None,
-                 spec_policies: tuple[str, ...] = ("always",), trees: tuple[str, ...] = (CHAIN,)) -> dict:
+def bench_suites(
+    model,
+    suites: dict[str, list],
+    drafters: list[str],
+    num_drafts: list[int],
+    batch_sizes: list[int],
+    temperatures: list[float],
+    max_new_tokens: int,
+    repeats: int,
+    peers: list[str] = (),
+    json_out: str | None = None,
+    plots_dir: str | None = None,
+    console=None,
+    out=None,
+    peer_factory: str | None = None,
+    peer_threads: int | None = None,
+    spec_policies: tuple[str, ...] = ("always",),
+    trees: tuple[str, ...] = (CHAIN,),
+) -> dict:
     """The whole `specjax bench SUITE...` run: measure, compare, recommend, print, write.
     Progress goes to stderr (`progress.py`), the report to stdout. Each peer runs in its own
     process (`peer_process.py`; `peer_factory` "module:function" replaces how peers are made,
@@ -403,14 +483,23 @@ def bench_suites(model, suites: dict[str, list], drafters: list[str], num_drafts
     for name, why in skipped.items():
         console.log(f"peer {name}: skipped ({why})")
     t_start = time.time()
-    job = {"model_source": model.source, "eos_ids": [int(e) for e in model.config.eos_token_ids],
-           "threads": peer_threads, "drafters": list(drafters), "num_drafts": list(num_drafts), "suite_ids": suite_ids,
-           "temperatures": list(temperatures), "max_new_tokens": max_new_tokens, "repeats": repeats}
+    job = {
+        "model_source": model.source,
+        "eos_ids": [int(e) for e in model.config.eos_token_ids],
+        "threads": peer_threads,
+        "drafters": list(drafters),
+        "num_drafts": list(num_drafts),
+        "suite_ids": suite_ids,
+        "temperatures": list(temperatures),
+        "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
+    }
     if peer_factory:
         job["factory"] = peer_factory
     with BenchProgress(console) as progress:
-        rows = run_speculative_bench(model, suite_ids, configs, batch_sizes, temperatures, max_new_tokens, repeats,
-                                     console, progress)
+        rows = run_speculative_bench(
+            model, suite_ids, configs, batch_sizes, temperatures, max_new_tokens, repeats, console, progress
+        )
         peer_rows, peer_status = peer_process.run_peers(peer_names, job, console, progress)
     for name, why in skipped.items():
         peer_status[name] = peer_process.peer_status("skipped", why)
@@ -419,11 +508,19 @@ def bench_suites(model, suites: dict[str, list], drafters: list[str], num_drafts
             skipped[name] = peer_process.one_line(st)
     report = {
         "kind": "speculative",
-        "model": model.name, "model_source": model.source, "dtype": str(model.dtype),
-        "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-        "max_new_tokens": max_new_tokens, "repeats": repeats, "temperatures": temperatures,
-        "batch_sizes": batch_sizes, "num_drafts": num_drafts, "drafters": list(drafters),
-        "spec_policies": list(spec_policies), "trees": list(trees),
+        "model": model.name,
+        "model_source": model.source,
+        "dtype": str(model.dtype),
+        "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+        "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
+        "temperatures": temperatures,
+        "batch_sizes": batch_sizes,
+        "num_drafts": num_drafts,
+        "drafters": list(drafters),
+        "spec_policies": list(spec_policies),
+        "trees": list(trees),
         "suites": {name: len(ids) for name, ids in suite_ids.items()},
         "compile_seconds": sum(r["compile_seconds"] for r in rows),
         "results": rows,

@@ -35,8 +35,10 @@ def shipped_path(kind: str) -> str:
 def _shipped_or_error(kind: str) -> str:
     path = shipped_path(kind)
     if not os.path.isdir(path):
-        raise DrafterError(f"no {kind} drafter is shipped in this installation ({path}); "
-                           f"train one with `specjax train {kind}` and pass --drafter {kind}:PATH")
+        raise DrafterError(
+            f"no {kind} drafter is shipped in this installation ({path}); "
+            f"train one with `specjax train {kind}` and pass --drafter {kind}:PATH"
+        )
     return path
 
 
@@ -63,8 +65,15 @@ def _gate_suffix(arg: str, spec: str) -> tuple[str, float | None]:
     return path, g
 
 
-def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = None, load=None,
-                 tree_topk: int = 1, tree_depth: int = 0) -> Drafter:
+def make_drafter(
+    spec: str | None,
+    num_draft: int,
+    target,
+    dtype: str | None = None,
+    load=None,
+    tree_topk: int = 1,
+    tree_depth: int = 0,
+) -> Drafter:
     """`load(path, dtype)` loads a draft model (defaults to `specjax.load_model`). A draft model
     that cannot be loaded raises DrafterError naming the drafter (not ModelLoadError, which would
     read as the target's). `tree_topk` > 1: token trees of `num_draft` nodes over `tree_depth`
@@ -74,7 +83,7 @@ def make_drafter(spec: str | None, num_draft: int, target, dtype: str | None = N
     except ModelLoadError as e:
         msg = str(e)
         if msg.startswith("model not found"):
-            msg = "drafter not found" + msg[len("model not found"):]
+            msg = "drafter not found" + msg[len("model not found") :]
         raise DrafterError(f"--drafter {(spec or '').strip()}: {msg}") from None
     d = d.with_tree(tree_topk, tree_depth or d.default_tree_depth())
     d.check_shape()
@@ -180,16 +189,27 @@ class Kind:
 
 # n-gram: up to 15 drafts, of which it asks to verify all only behind a match of 5+ tokens, else 3
 # (NgramDrafter.verify_lengths; docs/performance.md, "Verify as many drafts as the match supports").
-KINDS: dict[str, Kind] = {k.name: k for k in (
-    Kind("none", "none", _none, takes_arg=False),
-    Kind("ngram", "ngram", _ngram, 15, takes_arg=False),
-    Kind("draft", "draft[:PATH]", _draft, 5, train_task="train.draft_model:DraftDistillTask", export_formats=("hf",)),
-    Kind("mtp", "mtp[:PATH]", _mtp, 0, train_task="train.mtp:MTPTask"),
-    Kind("eagle3", "eagle3[:PATH][@GATE]", _eagle3, 5, train_task="train.eagle3:Eagle3Task",
-         export_formats=("eagle", "speculators")),
-    Kind("dflash", "dflash[:PATH]", _dflash, 0, train_task="train.dflash:DFlashTask", export_formats=("zlab",)),
-    Kind("dspark", "dspark[:PATH]", _dspark, 0, train_task="train.dspark:DSparkTask"),
-)}
+KINDS: dict[str, Kind] = {
+    k.name: k
+    for k in (
+        Kind("none", "none", _none, takes_arg=False),
+        Kind("ngram", "ngram", _ngram, 15, takes_arg=False),
+        Kind(
+            "draft", "draft[:PATH]", _draft, 5, train_task="train.draft_model:DraftDistillTask", export_formats=("hf",)
+        ),
+        Kind("mtp", "mtp[:PATH]", _mtp, 0, train_task="train.mtp:MTPTask"),
+        Kind(
+            "eagle3",
+            "eagle3[:PATH][@GATE]",
+            _eagle3,
+            5,
+            train_task="train.eagle3:Eagle3Task",
+            export_formats=("eagle", "speculators"),
+        ),
+        Kind("dflash", "dflash[:PATH]", _dflash, 0, train_task="train.dflash:DFlashTask", export_formats=("zlab",)),
+        Kind("dspark", "dspark[:PATH]", _dspark, 0, train_task="train.dspark:DSparkTask"),
+    )
+}
 KNOWN = tuple(k.usage for k in KINDS.values())
 DEFAULT_NUM_DRAFT = {k.name: k.default_num_draft for k in KINDS.values() if k.default_num_draft}
 TRAINABLE = tuple(k.name for k in KINDS.values() if k.train_task)

@@ -154,8 +154,10 @@ class Drafter:
         if not room:
             raise DrafterError(f"drafter {self.name} drafts chains only (--tree-topk 1)")
         if depth < 1 or not depth <= self.num_draft <= room:
-            raise DrafterError(f"a tree of --tree-topk {topk} --tree-depth {depth} needs depth >= 1 and "
-                               f"depth <= --num-draft <= {room} nodes, got --num-draft {self.num_draft}")
+            raise DrafterError(
+                f"a tree of --tree-topk {topk} --tree-depth {depth} needs depth >= 1 and "
+                f"depth <= --num-draft <= {room} nodes, got --num-draft {self.num_draft}"
+            )
         d = copy.copy(self)
         d.tree_topk, d.tree_depth = int(topk), int(depth)
         return d
@@ -188,8 +190,15 @@ class Drafter:
 
     def cache_key(self) -> tuple:
         """Everything static that changes the compiled code."""
-        return (type(self).__name__, self.num_draft, self.verify_lengths, self.proposal_optional, self.lazy_commit,
-                self.tree_topk, self.tree_depth)
+        return (
+            type(self).__name__,
+            self.num_draft,
+            self.verify_lengths,
+            self.proposal_optional,
+            self.lazy_commit,
+            self.tree_topk,
+            self.tree_depth,
+        )
 
     @property
     def verify_lengths(self) -> tuple[int, ...]:

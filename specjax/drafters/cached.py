@@ -17,7 +17,11 @@ def get_drafter(spec: str | None, num_draft: int, target: Model, tree_topk: int 
     key = (id(target), spec, num_draft, tree_topk, tree_depth)
     hit = _DRAFTERS.get(key)
     if hit is None or hit[0] is not target:
-        hit = (target, make_drafter(spec, num_draft, target, load=lambda p, dt: get_model(p, dt),
-                                    tree_topk=tree_topk, tree_depth=tree_depth))
+        hit = (
+            target,
+            make_drafter(
+                spec, num_draft, target, load=lambda p, dt: get_model(p, dt), tree_topk=tree_topk, tree_depth=tree_depth
+            ),
+        )
         _DRAFTERS[key] = hit
     return hit[1]

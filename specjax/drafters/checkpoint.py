@@ -26,15 +26,18 @@ WEIGHTS_FILE = "model.safetensors"
 VOCAB_FILE = "draft_vocab.safetensors"
 
 
-def save(out_dir: str, config: dict, params, extra: dict | None = None, dtype=None,
-         metadata: dict | None = None) -> str:
+def save(
+    out_dir: str, config: dict, params, extra: dict | None = None, dtype=None, metadata: dict | None = None
+) -> str:
     """Write `config` (+ `metadata`) and the params state (cast to `dtype` if given) + `extra`."""
     from specjax.models.loading import _flatten
     from specjax.models.loading.safetensors_io import save_file
 
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {name: np.asarray(jnp.asarray(a, dtype) if dtype is not None else a)
-               for name, a in _flatten(nnx.to_pure_dict(params))}
+    tensors = {
+        name: np.asarray(jnp.asarray(a, dtype) if dtype is not None else a)
+        for name, a in _flatten(nnx.to_pure_dict(params))
+    }
     tensors.update({k: np.asarray(v) for k, v in (extra or {}).items()})
     save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE))
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as fh:
@@ -84,8 +87,9 @@ def fill(build: Callable[[], nnx.Module], arrays: dict[str, np.ndarray], source:
     want = {k: tuple(v.shape) for k, v in _flatten(nnx.to_pure_dict(state))}
     if set(want) != set(arrays):
         missing, unexpected = sorted(set(want) - set(arrays)), sorted(set(arrays) - set(want))
-        raise DrafterError(f"{source}: tensors do not match the config (missing: {missing[:3]}, "
-                           f"unexpected: {unexpected[:3]})")
+        raise DrafterError(
+            f"{source}: tensors do not match the config (missing: {missing[:3]}, unexpected: {unexpected[:3]})"
+        )
     for name, a in arrays.items():
         if tuple(a.shape) != want[name]:
             raise DrafterError(f"{source}: tensor {name} has shape {tuple(a.shape)}, config expects {want[name]}")
@@ -135,8 +139,14 @@ def load_draft_vocab(path: str, vocab_size: int) -> np.ndarray | None:
         d2t = np.asarray(SafetensorsFile(v_path).get("d2t"))
     except (ModelLoadError, OSError, ValueError, KeyError) as e:
         raise DrafterError(f"{v_path}: unreadable draft vocabulary ({str(e).splitlines()[0]})") from None
-    ok = (d2t.ndim == 1 and d2t.size > 0 and np.issubdtype(d2t.dtype, np.integer) and d2t.min() >= 0
-          and d2t.max() < vocab_size and np.all(np.diff(d2t) > 0))
+    ok = (
+        d2t.ndim == 1
+        and d2t.size > 0
+        and np.issubdtype(d2t.dtype, np.integer)
+        and d2t.min() >= 0
+        and d2t.max() < vocab_size
+        and np.all(np.diff(d2t) > 0)
+    )
     if not ok:
         raise DrafterError(f"{v_path}: 'd2t' must be ascending unique target token ids below {vocab_size}")
     return d2t.astype(np.int32)

@@ -92,20 +92,24 @@ class DFlashConfig:
         if self.block_size < 2:
             raise DrafterError(f"{source}: block_size must be >= 2 (an anchor and one draft), got {self.block_size}")
         if not 0 <= self.mask_token_id < self.layers.vocab_size:
-            raise DrafterError(f"{source}: mask_token_id {self.mask_token_id} is outside the vocabulary "
-                               f"[0, {self.layers.vocab_size})")
+            raise DrafterError(
+                f"{source}: mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.layers.vocab_size})"
+            )
         if not self.target_layers:
             raise DrafterError(f"{source}: names no target layers")
 
     def check_target(self, target: LlamaConfig, source: str) -> None:
-        pairs = [("hidden size", self.hidden_size, target.hidden_size),
-                 ("vocab size", self.layers.vocab_size, target.vocab_size)]
+        pairs = [
+            ("hidden size", self.hidden_size, target.hidden_size),
+            ("vocab size", self.layers.vocab_size, target.vocab_size),
+        ]
         if self.target_num_layers:
             pairs.append(("layer count", self.target_num_layers, target.num_layers))
         checkpoint.check_target(pairs, source)
         if max(self.target_layers) >= target.num_layers:
-            raise DrafterError(f"{source} reads target layer {max(self.target_layers)}, "
-                               f"but the target has {target.num_layers} layers")
+            raise DrafterError(
+                f"{source} reads target layer {max(self.target_layers)}, but the target has {target.num_layers} layers"
+            )
 
 
 def default_target_layers(target_num_layers: int, num_layers: int) -> tuple[int, ...]:
@@ -175,8 +179,9 @@ class DFlashWeights:
         return nnx.merge(self.graphdef, self.params)
 
 
-def init_weights(cfg: DFlashConfig, d2t: np.ndarray | None = None, seed: int = 0, dtype=jnp.float32,
-                 net_class=None) -> DFlashWeights:
+def init_weights(
+    cfg: DFlashConfig, d2t: np.ndarray | None = None, seed: int = 0, dtype=jnp.float32, net_class=None
+) -> DFlashWeights:
     """Random weights of a `net_class` network (default DFlash) with the draft map `d2t [N]` or None."""
     cfg.check("DFlash config")
     graphdef, params = nnx.split((net_class or DFlash)(cfg, rngs=nnx.Rngs(seed), dtype=dtype))
@@ -238,8 +243,10 @@ class DFlashDrafter(Drafter):
         most = self.weights.config.max_num_draft
         if self.accept_width > most:
             got = f"--tree-depth {self.tree_depth}" if self.tree_topk > 1 else f"--num-draft {self.num_draft}"
-            raise DrafterError(f"{self.source} drafts blocks of {self.weights.config.block_size} positions, so "
-                               f"1..{most} tokens per step; got {got}")
+            raise DrafterError(
+                f"{self.source} drafts blocks of {self.weights.config.block_size} positions, so "
+                f"1..{most} tokens per step; got {got}"
+            )
 
     def max_tree_nodes(self, topk: int, depth: int) -> int:
         return topk * depth  # the spine and k - 1 alternatives at each of its positions
@@ -265,16 +272,16 @@ class DFlashDrafter(Drafter):
         cache = net.new_cache(b, ctx.cache_size).write(net.context_kv(net.context(ctx.features), pos))
         return DFlashState(cache.with_lengths(ctx.prompt_len))  # padding past the prompt: never read
 
-    def block_hidden(self, dparams, st: DFlashState, history: jax.Array, hist_len: jax.Array,
-                     width: int) -> jax.Array:
+    def block_hidden(self, dparams, st: DFlashState, history: jax.Array, hist_len: jax.Array, width: int) -> jax.Array:
         """The normed hidden `[B, width, D]` of the block `[x_m, MASK x (width - 1)]` at positions
         m .. m + width - 1 after each row's last emitted token x_m."""
         net = self._net(dparams)
         b = history.shape[0]
         m = st.cache.lengths  # [B] = hist_len - 1
         last = jnp.take_along_axis(history, (hist_len - 1)[:, None], axis=1)  # [B, 1]
-        block = jnp.concatenate([last, jnp.full((b, width - 1), self.weights.config.mask_token_id, last.dtype)],
-                                axis=1)  # [B, width]
+        block = jnp.concatenate(
+            [last, jnp.full((b, width - 1), self.weights.config.mask_token_id, last.dtype)], axis=1
+        )  # [B, width]
         emb = jnp.take(dparams["embed"], block, axis=0) * self.weights.config.embed_scale  # [B, width, D]
         return net.block(emb.astype(net.fc[...].dtype), st.cache, m[:, None] + jnp.arange(width)[None])
 
@@ -289,8 +296,21 @@ class DFlashDrafter(Drafter):
         logits = self.block_logits(dparams, st, ctx.history, ctx.hist_len)  # [B, K, N]
         if self.tree_topk > 1:
             return self._tree(dparams, logits), st
-        drafts, qs = zip(*(draft_token(ctx.seeds, i, logits[:, i], dparams["d2t"], self.target.config.vocab_size,
-                                       ctx.sampling, ctx.all_greedy) for i in range(self.num_draft)), strict=True)
+        drafts, qs = zip(
+            *(
+                draft_token(
+                    ctx.seeds,
+                    i,
+                    logits[:, i],
+                    dparams["d2t"],
+                    self.target.config.vocab_size,
+                    ctx.sampling,
+                    ctx.all_greedy,
+                )
+                for i in range(self.num_draft)
+            ),
+            strict=True,
+        )
         draft = jnp.stack(drafts, axis=1).astype(jnp.int32)  # [B, K]
         q = None if ctx.all_greedy else jnp.stack(qs, axis=1)  # [B, K, V]
         return Proposal(draft, q), st

@@ -68,10 +68,12 @@ def backbone_from_hf(cfg: DFlashConfig, fetch) -> dict:
     """The pure params of DFlash's network (`fc`, `hidden_norm`, `norm`, `layers`) from the tensor
     names z-lab and speculators share, read through `fetch(name, shape)`."""
     lc, d = cfg.layers, cfg.hidden_size
-    return {"fc": fetch("fc.weight", (d, len(cfg.target_layers) * d)),
-            "hidden_norm": {"scale": fetch("hidden_norm.weight", (d,))},
-            "norm": {"scale": fetch("norm.weight", (d,))},
-            "layers": {i: layer_from_hf(lc, fetch, f"layers.{i}.") for i in range(lc.num_layers)}}
+    return {
+        "fc": fetch("fc.weight", (d, len(cfg.target_layers) * d)),
+        "hidden_norm": {"scale": fetch("hidden_norm.weight", (d,))},
+        "norm": {"scale": fetch("norm.weight", (d,))},
+        "layers": {i: layer_from_hf(lc, fetch, f"layers.{i}.") for i in range(lc.num_layers)},
+    }
 
 
 def config_from_zlab(raw: dict, source: str) -> DFlashConfig:
@@ -95,17 +97,24 @@ def config_from_zlab(raw: dict, source: str) -> DFlashConfig:
         ids = default_target_layers(n_target, lc.num_layers)
     cap = sub.get("final_logit_softcapping", raw.get("final_logit_softcapping"))
     return DFlashConfig(
-        layers=lc, target_layers=tuple(int(i) for i in ids), target_num_layers=n_target,
-        block_size=int(sub.get("block_size", raw.get("block_size", 16))), mask_token_id=int(mask),
+        layers=lc,
+        target_layers=tuple(int(i) for i in ids),
+        target_num_layers=n_target,
+        block_size=int(sub.get("block_size", raw.get("block_size", 16))),
+        mask_token_id=int(mask),
         embed_scale=float(sub.get("input_embedding_scale", raw.get("input_embedding_scale", 1.0))),
         logit_scale=float(sub.get("output_multiplier", raw.get("output_multiplier", 1.0))),
-        logit_softcap=float(cap or 0.0))
+        logit_softcap=float(cap or 0.0),
+    )
 
 
 def _zlab_tensors(cfg: DFlashConfig, pure: dict) -> dict:
     """z-lab tensor names -> arrays of `pure`, the module's pure params dict."""
-    out = {"fc.weight": pure["fc"], "hidden_norm.weight": pure["hidden_norm"]["scale"],
-           "norm.weight": pure["norm"]["scale"]}
+    out = {
+        "fc.weight": pure["fc"],
+        "hidden_norm.weight": pure["hidden_norm"]["scale"],
+        "norm.weight": pure["norm"]["scale"],
+    }
     for i in range(cfg.layers.num_layers):
         out.update(layer_to_hf(cfg.layers, pure["layers"][i], f"layers.{i}."))
     return out
@@ -124,9 +133,16 @@ def zlab_config(cfg: DFlashConfig) -> dict:
         sub["output_multiplier"] = cfg.logit_scale
     if cfg.logit_softcap:
         sub["final_logit_softcapping"] = cfg.logit_softcap
-    return {**hf, "architectures": [ARCH], "model_type": "qwen3", "block_size": cfg.block_size,
-            "num_target_layers": cfg.target_num_layers, "dflash_config": sub,
-            "layer_types": ["full_attention"] * lc.num_layers, "use_sliding_window": False}
+    return {
+        **hf,
+        "architectures": [ARCH],
+        "model_type": "qwen3",
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.target_num_layers,
+        "dflash_config": sub,
+        "layer_types": ["full_attention"] * lc.num_layers,
+        "use_sliding_window": False,
+    }
 
 
 def export(w: DFlashWeights, out_dir: str, dtype=None) -> str:
@@ -137,13 +153,16 @@ def export(w: DFlashWeights, out_dir: str, dtype=None) -> str:
     from specjax.models.loading.safetensors_io import save_file
 
     if w.d2t is not None:
-        raise DrafterError("a DFlash drafter with a reduced draft vocabulary has no z-lab layout (its head is "
-                           "the target's whole one)")
+        raise DrafterError(
+            "a DFlash drafter with a reduced draft vocabulary has no z-lab layout (its head is the target's whole one)"
+        )
     if not w.config.layers.qk_norm or w.config.layers.attention_bias:
         raise DrafterError("z-lab's DFlash layers are Qwen3 layers (q/k norms, no q/k/v biases)")
     pure = nnx.to_pure_dict(w.params)
-    tensors = {k: np.asarray(jnp.asarray(v, dtype) if dtype is not None else v)
-               for k, v in _zlab_tensors(w.config, pure).items()}
+    tensors = {
+        k: np.asarray(jnp.asarray(v, dtype) if dtype is not None else v)
+        for k, v in _zlab_tensors(w.config, pure).items()
+    }
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, checkpoint.WEIGHTS_FILE))
     with open(os.path.join(out_dir, checkpoint.CONFIG_FILE), "w") as fh:

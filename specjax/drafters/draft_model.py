@@ -53,12 +53,16 @@ def borrows_target_tables(path: str) -> bool:
         raw = _read_json(cfg)
     except (OSError, ValueError):
         return False  # the ordinary loader reports it
-    return isinstance(raw, dict) and isinstance(raw.get(TABLES_KEY), dict) and bool(
-        raw[TABLES_KEY].get("tables_from_target"))
+    return (
+        isinstance(raw, dict)
+        and isinstance(raw.get(TABLES_KEY), dict)
+        and bool(raw[TABLES_KEY].get("tables_from_target"))
+    )
 
 
-def save_with_target_tables(model_params: dict, cfg, target_cfg, out_dir: str, dtype=None,
-                            metadata: dict | None = None) -> str:
+def save_with_target_tables(
+    model_params: dict, cfg, target_cfg, out_dir: str, dtype=None, metadata: dict | None = None
+) -> str:
     """Write a draft model's layers and final norm (pure params dict; no embedding or head) as an
     HF directory marked as borrowing the target's tables."""
     from specjax.models.loading.mapping import params_to_hf
@@ -69,8 +73,12 @@ def save_with_target_tables(model_params: dict, cfg, target_cfg, out_dir: str, d
     if dtype is not None:
         tensors = {k: np.asarray(jnp.asarray(v, dtype)) for k, v in tensors.items()}
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
-    info = {"tables_from_target": True, "target_hidden_size": target_cfg.hidden_size,
-            "target_vocab_size": target_cfg.vocab_size, "target_num_layers": target_cfg.num_layers}
+    info = {
+        "tables_from_target": True,
+        "target_hidden_size": target_cfg.hidden_size,
+        "target_vocab_size": target_cfg.vocab_size,
+        "target_num_layers": target_cfg.num_layers,
+    }
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
         json.dump({**cfg.to_hf(), TABLES_KEY: info, **(metadata or {})}, fh, indent=2)
     return out_dir
@@ -97,20 +105,31 @@ def load_with_target_tables(path: str, target: Model, dtype: str | None = None) 
     except ModelLoadError as e:
         raise DrafterError(f"{cfg_path}: {e}") from None
     tc = target.config
-    checkpoint.check_target([("hidden size", info["target_hidden_size"], tc.hidden_size),
-                             ("vocab size", info["target_vocab_size"], tc.vocab_size),
-                             ("layer count", info["target_num_layers"], tc.num_layers)], source)
-    if (cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings) != (tc.hidden_size, tc.vocab_size,
-                                                                       tc.tie_word_embeddings):
-        raise DrafterError(f"{source} cannot use this target's embedding and head: hidden size, vocab size or "
-                           f"head tying ({cfg.hidden_size}, {cfg.vocab_size}, {cfg.tie_word_embeddings}) differ "
-                           f"from the target's ({tc.hidden_size}, {tc.vocab_size}, {tc.tie_word_embeddings})")
+    checkpoint.check_target(
+        [
+            ("hidden size", info["target_hidden_size"], tc.hidden_size),
+            ("vocab size", info["target_vocab_size"], tc.vocab_size),
+            ("layer count", info["target_num_layers"], tc.num_layers),
+        ],
+        source,
+    )
+    if (cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings) != (
+        tc.hidden_size,
+        tc.vocab_size,
+        tc.tie_word_embeddings,
+    ):
+        raise DrafterError(
+            f"{source} cannot use this target's embedding and head: hidden size, vocab size or "
+            f"head tying ({cfg.hidden_size}, {cfg.vocab_size}, {cfg.tie_word_embeddings}) differ "
+            f"from the target's ({tc.hidden_size}, {tc.vocab_size}, {tc.tie_word_embeddings})"
+        )
     tables = {"model.embed_tokens.weight", "lm_head.weight"}
     try:
         get = hf_loader.open_tensors(path)
         # zero-stride placeholders pass the shape check; the target's arrays replace them below
-        fetch = lambda name: (np.broadcast_to(np.float32(0), (cfg.vocab_size, cfg.hidden_size))
-                              if name in tables else get(name))
+        fetch = lambda name: (
+            np.broadcast_to(np.float32(0), (cfg.vocab_size, cfg.hidden_size)) if name in tables else get(name)
+        )
         pure = params_from_hf(cfg, fetch, np.float32)
     except ModelLoadError as e:
         raise DrafterError(f"{source}: {str(e).splitlines()[0]}") from None
@@ -186,8 +205,9 @@ class DraftModelDrafter(Drafter):
             def expand(tok, _parent_h, positions, mask):  # [B, E] -> [B, E, D]; cache read only
                 return m.hidden_kv(tok, cache, positions=positions, mask=mask)[0]
 
-            tokens, parents, _, _ = dynamic_tree(expand, head, dparams["d2t"], h, cache.lengths, self.tree_topk,
-                                                 self.tree_depth, self.num_draft)  # [B, K] each
+            tokens, parents, _, _ = dynamic_tree(
+                expand, head, dparams["d2t"], h, cache.lengths, self.tree_topk, self.tree_depth, self.num_draft
+            )  # [B, K] each
             return Proposal(tokens, None, parents=parents), cache
         drafts, qs = [], []
         for i in range(self.num_draft):  # K is small and static: unrolled
@@ -196,8 +216,9 @@ class DraftModelDrafter(Drafter):
                 h = h1[:, 0]  # [B, D]
                 cache = cache.advance(1)
             logits = head(h)  # [B, N or V]
-            tok, q = draft_token(ctx.seeds, i, logits, dparams["d2t"], self.model.config.vocab_size, ctx.sampling,
-                                 ctx.all_greedy)  # [B], [B, V] | None
+            tok, q = draft_token(
+                ctx.seeds, i, logits, dparams["d2t"], self.model.config.vocab_size, ctx.sampling, ctx.all_greedy
+            )  # [B], [B, V] | None
             drafts.append(tok.astype(jnp.int32))
             qs.append(q)
         draft = jnp.stack(drafts, axis=1)  # [B, K]

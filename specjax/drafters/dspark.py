@@ -168,11 +168,18 @@ def load_speculators(path: str, raw: dict, dtype) -> DFlashWeights:
     try:
         get, names = open_checkpoint(path)
         own_head = "lm_head.weight" in names
-        cfg = DSparkConfig(layers=lc, target_layers=tuple(int(i) - 1 for i in ids), target_num_layers=0,
-                           block_size=int(raw.get("block_size", 8)), mask_token_id=int(mask),
-                           draft_vocab_size=0 if n == v and not own_head else n, markov_rank=rank,
-                           confidence=conf, confidence_with_markov=bool(raw.get("confidence_head_with_markov", True)),
-                           own_head=own_head)
+        cfg = DSparkConfig(
+            layers=lc,
+            target_layers=tuple(int(i) - 1 for i in ids),
+            target_num_layers=0,
+            block_size=int(raw.get("block_size", 8)),
+            mask_token_id=int(mask),
+            draft_vocab_size=0 if n == v and not own_head else n,
+            markov_rank=rank,
+            confidence=conf,
+            confidence_with_markov=bool(raw.get("confidence_head_with_markov", True)),
+            own_head=own_head,
+        )
         read = {"d2t", "t2d", "embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight"}
         fetch = checked_getter(lambda name: read.add(name) or get(name))
         d = lc.hidden_size
@@ -220,8 +227,15 @@ class DSparkDrafter(DFlashDrafter):
         prev, drafts, qs, confs = anchor, [], [], []
         for j in range(self.num_draft):
             e = net.prev_embed(prev)  # [B, r]
-            tok, q = draft_token(ctx.seeds, j, base[:, j] + net.markov_bias(e), dparams["d2t"],
-                                 self.target.config.vocab_size, ctx.sampling, ctx.all_greedy)  # [B], [B, V]
+            tok, q = draft_token(
+                ctx.seeds,
+                j,
+                base[:, j] + net.markov_bias(e),
+                dparams["d2t"],
+                self.target.config.vocab_size,
+                ctx.sampling,
+                ctx.all_greedy,
+            )  # [B], [B, V]
             confs.append(net.confidence(h[:, j], e))  # [B]
             drafts.append(tok)
             qs.append(q)
@@ -244,8 +258,9 @@ class DSparkDrafter(DFlashDrafter):
         first L (from 0) at which verifying one more draft does not raise the expected emitted
         tokens per unit of cost (module doc: the early stop that keeps it lossless)."""
         b, k = conf.shape
-        expect = 1.0 + jnp.concatenate([jnp.zeros((b, 1)), jnp.cumsum(jnp.cumprod(conf, axis=1), axis=1)],
-                                       axis=1)  # [B, K+1] E(L) for L = 0..K
+        expect = 1.0 + jnp.concatenate(
+            [jnp.zeros((b, 1)), jnp.cumsum(jnp.cumprod(conf, axis=1), axis=1)], axis=1
+        )  # [B, K+1] E(L) for L = 0..K
         rate = expect / costs[None, : k + 1]  # [B, K + 1]
         stop = rate[:, 1:] <= rate[:, :-1]  # [B, K]: L + 1 is no better than L
         return jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1), k).astype(jnp.int32)

@@ -70,8 +70,13 @@ class Eagle3Config:
     norm_output: bool = False  # the fed-back output is norm(g) and the head reads it as is
 
     @classmethod
-    def for_target(cls, target: LlamaConfig, draft_vocab_size: int = 8192,
-                   target_layers: tuple[int, ...] | None = None, intermediate_size: int | None = None):
+    def for_target(
+        cls,
+        target: LlamaConfig,
+        draft_vocab_size: int = 8192,
+        target_layers: tuple[int, ...] | None = None,
+        intermediate_size: int | None = None,
+    ):
         """A specjax EAGLE-3 for `target`: its layer shape, a draft vocabulary of at most
         `draft_vocab_size` tokens, `target_layers` (default `default_target_layers`) and an FFN of
         `intermediate_size` (default the target's)."""
@@ -113,14 +118,17 @@ class Eagle3Config:
 
     def check_target(self, target: LlamaConfig, source: str = "EAGLE-3 drafter") -> None:
         """One clear error when the drafter was trained for another target."""
-        pairs = [("hidden size", self.feature_size, target.hidden_size),
-                 ("vocab size", self.target_vocab_size, target.vocab_size)]
+        pairs = [
+            ("hidden size", self.feature_size, target.hidden_size),
+            ("vocab size", self.target_vocab_size, target.vocab_size),
+        ]
         if self.target_num_layers:  # 0: unknown (a published drafter names its target, not its depth)
             pairs.append(("layer count", self.target_num_layers, target.num_layers))
         checkpoint.check_target(pairs, source)
         if max(self.target_layers) >= target.num_layers:
-            raise DrafterError(f"{source} reads target layer {max(self.target_layers)}, "
-                               f"but the target has {target.num_layers} layers")
+            raise DrafterError(
+                f"{source} reads target layer {max(self.target_layers)}, but the target has {target.num_layers} layers"
+            )
 
 
 def default_target_layers(num_layers: int) -> tuple[int, ...]:
@@ -185,8 +193,9 @@ class Eagle3(nnx.Module):
         if positions is None:
             positions = cache.lengths[:, None] + jnp.arange(emb.shape[1])[None]  # [B, T]
         cos, sin = rope_tables(self.cfg.layer_config(), positions)  # [B, T, H] each
-        a, k, v = self.attn(self.layer_input(emb, feat), cos, sin, cache.k[0], cache.v[0],
-                            None if fresh else cache.lengths, mask)
+        a, k, v = self.attn(
+            self.layer_input(emb, feat), cos, sin, cache.k[0], cache.v[0], None if fresh else cache.lengths, mask
+        )
         return self.finish(feat, a), cache.replace(k=(k,), v=(v,))
 
     def logits(self, g: jax.Array) -> jax.Array:
@@ -246,15 +255,19 @@ def build_weights(cfg: Eagle3Config, arrays: dict, d2t: np.ndarray, embed, sourc
     d2t = np.asarray(d2t)
     v = cfg.target_vocab_size
     if d2t.shape != (cfg.draft_vocab_size,) or d2t.min(initial=0) < 0 or d2t.max(initial=0) >= v:
-        raise DrafterError(f"{source}: the draft vocabulary map must hold {cfg.draft_vocab_size} target ids "
-                           f"in [0, {v}), got shape {d2t.shape} with values in [{d2t.min()}, {d2t.max()}]")
+        raise DrafterError(
+            f"{source}: the draft vocabulary map must hold {cfg.draft_vocab_size} target ids "
+            f"in [0, {v}), got shape {d2t.shape} with values in [{d2t.min()}, {d2t.max()}]"
+        )
     if len(np.unique(d2t)) != d2t.size:
         raise DrafterError(f"{source}: the draft vocabulary map names a target token twice")
     if embed is not None and tuple(embed.shape) != (v, cfg.hidden_size):
         raise DrafterError(f"{source}: embedding has shape {tuple(embed.shape)}, expected {(v, cfg.hidden_size)}")
     if embed is None and cfg.feature_size != cfg.hidden_size:
-        raise DrafterError(f"{source}: a drafter of hidden size {cfg.hidden_size} over a target of "
-                           f"{cfg.feature_size} needs its own token embedding")
+        raise DrafterError(
+            f"{source}: a drafter of hidden size {cfg.hidden_size} over a target of "
+            f"{cfg.feature_size} needs its own token embedding"
+        )
     graphdef, params = checkpoint.fill(lambda: Eagle3(cfg, rngs=nnx.Rngs(0), dtype=dtype), arrays, source, dtype)
     own = None if embed is None else jnp.asarray(embed, dtype)
     return Eagle3Weights(cfg, graphdef, params, jnp.asarray(d2t, jnp.int32), source, own)
@@ -294,8 +307,11 @@ class Eagle3Drafter(Drafter):
         super().__init__(num_draft)
         weights.config.check_target(target.config, f"EAGLE-3 drafter {weights.source}".strip())
         own = weights.embed
-        if own is not None and own.shape == target.params["embed"].shape and bool(
-                jnp.array_equal(own, target.params["embed"][...].astype(own.dtype))):
+        if (
+            own is not None
+            and own.shape == target.params["embed"].shape
+            and bool(jnp.array_equal(own, target.params["embed"][...].astype(own.dtype)))
+        ):
             weights = dataclasses.replace(weights, embed=None)  # a copy of the target's table: share it
         self.embed = weights.embed
         self.weights = weights
@@ -321,8 +337,9 @@ class Eagle3Drafter(Drafter):
     def _draft_token(self, dparams, logits, i, ctx):
         """Draft i's draft-vocab logits `[B, N]` -> target-vocab token `[B]` and q `[B, V]` (None
         if greedy)."""
-        return draft_token(ctx.seeds, i, logits, dparams["d2t"], self.target.config.vocab_size, ctx.sampling,
-                           ctx.all_greedy)
+        return draft_token(
+            ctx.seeds, i, logits, dparams["d2t"], self.target.config.vocab_size, ctx.sampling, ctx.all_greedy
+        )
 
     def init(self, dparams, ctx: InitContext):
         net = nnx.merge(self.weights.graphdef, dparams["net"])
@@ -396,8 +413,9 @@ class Eagle3Drafter(Drafter):
             return net.step(emb, feat, st.cache, positions=positions, mask=mask)[0]  # cache not kept
 
         def build():
-            tokens, parents, _, _ = dynamic_tree(expand, net.logits, dparams["d2t"], st.g_last, st.cache.lengths, k,
-                                                 self.tree_depth, self.num_draft)
+            tokens, parents, _, _ = dynamic_tree(
+                expand, net.logits, dparams["d2t"], st.g_last, st.cache.lengths, k, self.tree_depth, self.num_draft
+            )
             return tokens, parents  # [B, K] each
 
         def idle():  # no verify pass will run: any well-formed tree (a chain of zeros)

@@ -59,8 +59,10 @@ def detect(path: str) -> str:
         return SPECULATORS
     if EAGLE_ARCH in (raw.get("architectures") or []) or "draft_vocab_size" in raw:
         return EAGLE
-    raise DrafterError(f"{path}/config.json is neither a specjax, an EAGLE/SpecForge ({EAGLE_ARCH}) "
-                       f"nor a speculators ({SPECULATORS_ARCH}) EAGLE-3 config")
+    raise DrafterError(
+        f"{path}/config.json is neither a specjax, an EAGLE/SpecForge ({EAGLE_ARCH}) "
+        f"nor a speculators ({SPECULATORS_ARCH}) EAGLE-3 config"
+    )
 
 
 def load(path: str, dtype, target_num_layers: int | None = None) -> Eagle3Weights:
@@ -109,18 +111,30 @@ def _config(raw: dict, fmt: str, source: str, target_num_layers: int | None) -> 
         layers = None if ids is None else tuple(int(i) - 1 for i in ids)
     if layers is None:
         if not target_num_layers:
-            raise DrafterError(f"{source}: names no target layers (eagle_aux_hidden_state_layer_ids) and "
-                               "no target is given to take the default ones from")
+            raise DrafterError(
+                f"{source}: names no target layers (eagle_aux_hidden_state_layer_ids) and "
+                "no target is given to take the default ones from"
+            )
         layers = default_target_layers(target_num_layers)
     return Eagle3Config(
-        hidden_size=lc.hidden_size, intermediate_size=lc.intermediate_size, num_heads=lc.num_heads,
-        num_kv_heads=lc.num_kv_heads, head_dim=lc.head_dim, target_vocab_size=lc.vocab_size,
-        target_num_layers=0, draft_vocab_size=int(raw.get("draft_vocab_size") or lc.vocab_size),
-        target_layers=layers, rope_theta=lc.rope_theta, rope_scaling=lc.rope_scaling,
-        rms_norm_eps=lc.rms_norm_eps, target_hidden_size=raw.get("target_hidden_size") or None,
-        attention_bias=lc.attention_bias, qk_norm=lc.qk_norm,
+        hidden_size=lc.hidden_size,
+        intermediate_size=lc.intermediate_size,
+        num_heads=lc.num_heads,
+        num_kv_heads=lc.num_kv_heads,
+        head_dim=lc.head_dim,
+        target_vocab_size=lc.vocab_size,
+        target_num_layers=0,
+        draft_vocab_size=int(raw.get("draft_vocab_size") or lc.vocab_size),
+        target_layers=layers,
+        rope_theta=lc.rope_theta,
+        rope_scaling=lc.rope_scaling,
+        rms_norm_eps=lc.rms_norm_eps,
+        target_hidden_size=raw.get("target_hidden_size") or None,
+        attention_bias=lc.attention_bias,
+        qk_norm=lc.qk_norm,
         norm_before_residual=bool(raw.get("norm_before_residual")),
-        norm_before_fc=bool(raw.get("norm_before_fc")), norm_output=bool(raw.get("norm_output")),
+        norm_before_fc=bool(raw.get("norm_before_fc")),
+        norm_output=bool(raw.get("norm_output")),
     )
 
 
@@ -134,10 +148,16 @@ def _from_published(raw, get, names, fmt, path, dtype, target_num_layers) -> Eag
     prefix = LAYER_PREFIX[fmt]
     try:
         lay = layer_from_hf(lc, fetch, prefix, in_dim=2 * d)
-        pure = {"attn": lay["attn"], "mlp": lay["mlp"], "embed_norm": lay["attn_norm"], "mlp_norm": lay["mlp_norm"],
-                "hidden_norm": {"scale": fetch(prefix + "hidden_norm.weight", (d,))},
-                "fc": fetch("fc.weight", (d, n * dt)), "head": fetch("lm_head.weight", (nd, d)),
-                "norm": {"scale": fetch("norm.weight", (d,))}}
+        pure = {
+            "attn": lay["attn"],
+            "mlp": lay["mlp"],
+            "embed_norm": lay["attn_norm"],
+            "mlp_norm": lay["mlp_norm"],
+            "hidden_norm": {"scale": fetch(prefix + "hidden_norm.weight", (d,))},
+            "fc": fetch("fc.weight", (d, n * dt)),
+            "head": fetch("lm_head.weight", (nd, d)),
+            "norm": {"scale": fetch("norm.weight", (d,))},
+        }
         if cfg.norm_before_fc:
             pure["input_norm"] = {"scale": fetch("input_norm.weight", (n * dt,))}
         embed = fetch("embed_tokens.weight", (v, d)) if "embed_tokens.weight" in names else None
@@ -146,7 +166,14 @@ def _from_published(raw, get, names, fmt, path, dtype, target_num_layers) -> Eag
     arrays = dict(_flatten(pure))
     d2t = _draft_map(get, names, nd, v, source)
     known = {n for n in names if not n.startswith(prefix)} - {
-        "fc.weight", "lm_head.weight", "norm.weight", "input_norm.weight", "embed_tokens.weight", "d2t", "t2d"}
+        "fc.weight",
+        "lm_head.weight",
+        "norm.weight",
+        "input_norm.weight",
+        "embed_tokens.weight",
+        "d2t",
+        "t2d",
+    }
     if known:
         raise DrafterError(f"{source}: tensors specjax's EAGLE-3 has no place for: {sorted(known)[:3]}")
     return build_weights(cfg, arrays, d2t, embed, source, dtype)
@@ -156,8 +183,9 @@ def _draft_map(get, names, nd: int, v: int, source: str) -> np.ndarray:
     """`d2t` offsets (+ `t2d`) -> target ids `[N]`; the identity when N = V and no map is stored."""
     if "d2t" not in names:
         if nd != v:
-            raise DrafterError(f"{source}: no 'd2t' tensor, but the draft vocabulary ({nd}) is smaller "
-                               f"than the target's ({v})")
+            raise DrafterError(
+                f"{source}: no 'd2t' tensor, but the draft vocabulary ({nd}) is smaller than the target's ({v})"
+            )
         return np.arange(v)
     off = np.asarray(get("d2t"))
     if off.shape != (nd,) or not np.issubdtype(off.dtype, np.integer):
@@ -172,8 +200,15 @@ def _draft_map(get, names, nd: int, v: int, source: str) -> np.ndarray:
     return ids
 
 
-def to_published(w: Eagle3Weights, fmt: str, embed=None, verifier: dict | None = None, num_draft: int = 3,
-                 dtype=None, max_positions: int | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+def to_published(
+    w: Eagle3Weights,
+    fmt: str,
+    embed=None,
+    verifier: dict | None = None,
+    num_draft: int = 3,
+    dtype=None,
+    max_positions: int | None = None,
+) -> tuple[dict, dict[str, np.ndarray]]:
     """(config, tensors) of `w` in layout `fmt`. `embed [V, D]` is written as `embed_tokens`
     (the drafter's own table wins); `verifier` = {"name_or_path", "architectures"} for
     `speculators`; `dtype` casts the float tensors; `max_positions`: the target's context."""
@@ -181,8 +216,9 @@ def to_published(w: Eagle3Weights, fmt: str, embed=None, verifier: dict | None =
         raise DrafterError(f"unknown EAGLE-3 layout {fmt!r} (known: {', '.join(FORMATS)})")
     cfg = w.config
     if fmt == EAGLE and cfg.qk_norm:
-        raise DrafterError("a drafter with a Qwen3-type layer (q/k norms) has no EAGLE/SpecForge layout; "
-                           "use --format speculators")
+        raise DrafterError(
+            "a drafter with a Qwen3-type layer (q/k norms) has no EAGLE/SpecForge layout; use --format speculators"
+        )
     from flax import nnx
 
     pure = nnx.to_pure_dict(w.params)
@@ -209,24 +245,41 @@ def to_published(w: Eagle3Weights, fmt: str, embed=None, verifier: dict | None =
     hf = hf.to_hf()
     dtype_name = str(np.dtype(dtype)) if dtype is not None else str(tensors["fc.weight"].dtype)
     if fmt == EAGLE:
-        config = {**hf, "architectures": [EAGLE_ARCH], "model_type": "llama", "draft_vocab_size": nd,
-                  "torch_dtype": dtype_name,
-                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.target_layers),
-                                   "use_aux_hidden_state": True}}
+        config = {
+            **hf,
+            "architectures": [EAGLE_ARCH],
+            "model_type": "llama",
+            "draft_vocab_size": nd,
+            "torch_dtype": dtype_name,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.target_layers), "use_aux_hidden_state": True},
+        }
         for flag in ("norm_before_residual", "norm_before_fc", "norm_output"):
             if getattr(cfg, flag):
                 config[flag] = True
     else:
         config = {
-            "architectures": [SPECULATORS_ARCH], "speculators_model_type": "eagle3",
-            "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": hf, "draft_vocab_size": nd,
-            "norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.norm_before_fc,
-            "fc_norm": False, "norm_output": cfg.norm_output, "embed_requires_grad": False,
+            "architectures": [SPECULATORS_ARCH],
+            "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION,
+            "transformer_layer_config": hf,
+            "draft_vocab_size": nd,
+            "norm_before_residual": cfg.norm_before_residual,
+            "norm_before_fc": cfg.norm_before_fc,
+            "fc_norm": False,
+            "norm_output": cfg.norm_output,
+            "embed_requires_grad": False,
             "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layers],
             "speculators_config": {
-                "algorithm": "eagle3", "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_draft,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": num_draft,
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
                 "verifier": verifier or {"name_or_path": None, "architectures": ["LlamaForCausalLM"]},
             },
             "dtype": dtype_name,
@@ -246,4 +299,3 @@ def export(w: Eagle3Weights, out_dir: str, fmt: str, **kw) -> str:
     with open(os.path.join(out_dir, checkpoint.CONFIG_FILE), "w") as fh:
         json.dump(config, fh, indent=1)
     return out_dir
-

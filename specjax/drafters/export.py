@@ -25,8 +25,14 @@ FORMATS = {k.name: k.export_formats for k in KINDS.values() if k.export_formats}
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def export_drafter(spec: str, fmt: str, out_dir: str, model_path: str | None = None, dtype: str = "bfloat16",
-                   verifier: str | None = None) -> str:
+def export_drafter(
+    spec: str,
+    fmt: str,
+    out_dir: str,
+    model_path: str | None = None,
+    dtype: str = "bfloat16",
+    verifier: str | None = None,
+) -> str:
     """Write the drafter `spec` (as `--drafter` takes it) for the target `model_path` to
     `out_dir` (new or empty) in `fmt`; returns `out_dir`."""
     from specjax.models.loading import load_model
@@ -63,11 +69,20 @@ def export_drafter(spec: str, fmt: str, out_dir: str, model_path: str | None = N
         name = verifier or (model_path if model_path and os.path.isdir(model_path) else None)
         name = name or (DEFAULT_MODEL_HUB_ID if model_path is None else None)
         if name is None:
-            raise DrafterError("--verifier NAME_OR_PATH is needed: a speculators checkpoint names its target "
-                               "(a hub id or an HF directory)")
+            raise DrafterError(
+                "--verifier NAME_OR_PATH is needed: a speculators checkpoint names its target "
+                "(a hub id or an HF directory)"
+            )
         meta = {"name_or_path": name, "architectures": [target.config.to_hf()["architectures"][0]]}
     import jax.numpy as jnp
 
-    return eagle3_formats.export(drafter.weights, out_dir, fmt, embed=target.params["embed"][...],
-                                 verifier=meta, num_draft=drafter.num_draft, dtype=jnp.dtype(dtype),
-                                 max_positions=target.config.max_position_embeddings)
+    return eagle3_formats.export(
+        drafter.weights,
+        out_dir,
+        fmt,
+        embed=target.params["embed"][...],
+        verifier=meta,
+        num_draft=drafter.num_draft,
+        dtype=jnp.dtype(dtype),
+        max_positions=target.config.max_position_embeddings,
+    )

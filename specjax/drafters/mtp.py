@@ -92,10 +92,17 @@ class MTPConfig:
         if num_modules < 1:
             raise ValueError(f"num_modules must be >= 1, got {num_modules}")
         return cls(
-            hidden_size=target.hidden_size, intermediate_size=intermediate_size or target.intermediate_size,
-            num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
-            target_vocab_size=target.vocab_size, target_num_layers=target.num_layers, num_modules=num_modules,
-            rope_theta=target.rope_theta, rope_scaling=target.rope_scaling, rms_norm_eps=target.rms_norm_eps,
+            hidden_size=target.hidden_size,
+            intermediate_size=intermediate_size or target.intermediate_size,
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            target_vocab_size=target.vocab_size,
+            target_num_layers=target.num_layers,
+            num_modules=num_modules,
+            rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
+            rms_norm_eps=target.rms_norm_eps,
         )
 
     def layer_config(self) -> LlamaConfig:
@@ -116,8 +123,10 @@ class MTPConfig:
 
     def check_target(self, target: LlamaConfig, source: str = "MTP drafter") -> None:
         """One clear DrafterError when the drafter was trained for another target."""
-        pairs = [("hidden size", self.hidden_size, target.hidden_size),
-                 ("vocab size", self.target_vocab_size, target.vocab_size)]
+        pairs = [
+            ("hidden size", self.hidden_size, target.hidden_size),
+            ("vocab size", self.target_vocab_size, target.vocab_size),
+        ]
         if self.target_num_layers:  # 0: read out of the target's own checkpoint
             pairs.append(("layer count", self.target_num_layers, target.num_layers))
         checkpoint.check_target(pairs, source)
@@ -165,8 +174,15 @@ class MTP(nnx.Module):
         """Draft depth k (1-based: module (k - 1) mod N) over T positions at `cache.lengths`,
         writing cache layer k - 1 (lengths unchanged). emb, h_prev `[B, T, D]` -> h^k `[B, T, D]`.
         `fresh`: the cache layer is empty (written from position 0, not read; llama.attention)."""
-        h, kc, vc = self.module_for(k)(emb.astype(self.dtype), h_prev.astype(self.dtype), cos, sin,
-                                      cache.k[k - 1], cache.v[k - 1], None if fresh else cache.lengths)
+        h, kc, vc = self.module_for(k)(
+            emb.astype(self.dtype),
+            h_prev.astype(self.dtype),
+            cos,
+            sin,
+            cache.k[k - 1],
+            cache.v[k - 1],
+            None if fresh else cache.lengths,
+        )
         ks, vs = list(cache.k), list(cache.v)
         ks[k - 1], vs[k - 1] = kc, vc
         return h, cache.replace(k=tuple(ks), v=tuple(vs))
@@ -174,8 +190,17 @@ class MTP(nnx.Module):
     def run_read_only(self, k: int, emb, h_prev, cache: KVCache, cos, sin, mask) -> jax.Array:
         """`run` attending to cache layer k - 1 without writing it, the T positions among
         themselves as `mask [B, T, T]` says (independent windows of a token tree)."""
-        return self.module_for(k)(emb.astype(self.dtype), h_prev.astype(self.dtype), cos, sin, cache.k[k - 1],
-                                  cache.v[k - 1], cache.lengths, mask, write=False)[0]
+        return self.module_for(k)(
+            emb.astype(self.dtype),
+            h_prev.astype(self.dtype),
+            cos,
+            sin,
+            cache.k[k - 1],
+            cache.v[k - 1],
+            cache.lengths,
+            mask,
+            write=False,
+        )[0]
 
     def logits(self, k: int, h: jax.Array, head: jax.Array) -> jax.Array:
         """Module k's output `[..., D]` -> f32 target-vocab logits `[..., V]` (head `[V, D]`)."""
@@ -222,8 +247,9 @@ def load(path: str, dtype=jnp.float32) -> MTPWeights:
     raw = checkpoint.read_config(path, KIND, "MTP")
     cfg = MTPConfig.from_dict(raw, f"{path}/{checkpoint.CONFIG_FILE}")
     arrays = checkpoint.read_tensors(path, "MTP")
-    graphdef, params = checkpoint.fill(lambda: MTP(cfg, rngs=nnx.Rngs(0), dtype=dtype), arrays,
-                                       f"{path}/{checkpoint.WEIGHTS_FILE}", dtype)
+    graphdef, params = checkpoint.fill(
+        lambda: MTP(cfg, rngs=nnx.Rngs(0), dtype=dtype), arrays, f"{path}/{checkpoint.WEIGHTS_FILE}", dtype
+    )
     return MTPWeights(cfg, graphdef, params, path)
 
 
@@ -273,7 +299,7 @@ class MTPDrafter(Drafter):
         n, limit = self.weights.config.num_modules, self.weights.config.draft_limit
         if self.accept_width > limit:
             source = f"MTP drafter {self.weights.source}".strip()
-            got = (f"--tree-depth {self.tree_depth}" if self.tree_topk > 1 else f"--num-draft {self.num_draft}")
+            got = f"--tree-depth {self.tree_depth}" if self.tree_topk > 1 else f"--num-draft {self.num_draft}"
             raise DrafterError(f"{source} has {n} modules, so it drafts 1..{limit} tokens per step; got {got}")
 
     def cache_key(self):
@@ -332,8 +358,9 @@ class MTPDrafter(Drafter):
         qs = []  # [B, V] per draft, None when greedy
 
         def choose(k, logits):
-            tok, q = draft_token(ctx.seeds, k - 1, logits, dparams["d2t"], self.target.config.vocab_size,
-                                 ctx.sampling, ctx.all_greedy)
+            tok, q = draft_token(
+                ctx.seeds, k - 1, logits, dparams["d2t"], self.target.config.vocab_size, ctx.sampling, ctx.all_greedy
+            )
             qs.append(q)
             return tok
 
@@ -362,8 +389,9 @@ class MTPDrafter(Drafter):
 
         cos, sin = net.rope(pos)
         tok = gather_rows(history, pos + 1)  # [B, W]: committed (j + 1 <= m)
-        h1 = net.run_read_only(1, jnp.take(dparams["embed"], tok, axis=0), st.fin[:, :w], st.cache, cos, sin,
-                               None)  # [B, W, D]
+        h1 = net.run_read_only(
+            1, jnp.take(dparams["embed"], tok, axis=0), st.fin[:, :w], st.cache, cos, sin, None
+        )  # [B, W, D]
         c_score, c_tok = jax.lax.top_k(log_probs(1, h1), k)  # [B, k] level 1
         c_par = jnp.full((b, k), -1, jnp.int32)  # [B, C] parent candidate index
         c_depth = jnp.zeros((b, k), jnp.int32)  # [B, C]
@@ -381,8 +409,9 @@ class MTPDrafter(Drafter):
             _, pick = jax.lax.top_k(c_score[:, level], k)
             front = level[pick]  # [B, k] frontier: the k best of level d - 1
             f_path = jnp.take_along_axis(c_path, front[..., None], axis=1)  # [B, k, D]
-            h_prev = jnp.take_along_axis(windows, jnp.take_along_axis(c_src, front, axis=1)[..., None, None],
-                                         axis=1)  # [B, k, W, D]
+            h_prev = jnp.take_along_axis(
+                windows, jnp.take_along_axis(c_src, front, axis=1)[..., None, None], axis=1
+            )  # [B, k, W, D]
             p = pos + d  # [B, W] token positions module d reads: committed, or the path's drafts < d
             drafted = jnp.take_along_axis(f_path, jnp.clip(p - m[:, None] - 1, 0, depth - 1)[:, None], axis=2)
             tok = jnp.where((p <= m[:, None])[:, None], gather_rows(history, p)[:, None], drafted)  # [B, k, W]
@@ -410,7 +439,8 @@ class MTPDrafter(Drafter):
         length = st.fin.shape[1]  # L = W + K + 1
         # verify-pass finals sit at old_m .. old_m + K, i.e. fin offsets old_m - c <= W
         fin = jax.vmap(lambda f, new, s: jax.lax.dynamic_update_slice(f, new.astype(f.dtype), (s, 0)))(
-            st.fin, ctx.final_hidden, old_m - c)  # [B, L, D]
+            st.fin, ctx.final_hidden, old_m - c
+        )  # [B, L, D]
         pos = c[:, None] + jnp.arange(k_max + 1)[None]  # [B, K+1] positions c .. c + K
         cos, sin = net.rope(pos)
         h, cache = fin[:, : k_max + 1], st.cache  # [B, K+1, D]
@@ -418,6 +448,7 @@ class MTPDrafter(Drafter):
             emb = jnp.take(dparams["embed"], gather_rows(ctx.history, pos + k), axis=0)  # [B, K+1, D]
             h, cache = net.run(k, emb, h, cache, cos, sin)
         c_new = jnp.maximum(new_m - w, 0)  # [B], c_new - c <= K + 1
-        shifted = gather_rows(jnp.pad(fin, ((0, 0), (0, length), (0, 0))),
-                              (c_new - c)[:, None] + jnp.arange(length)[None])  # [B, L, D]
+        shifted = gather_rows(
+            jnp.pad(fin, ((0, 0), (0, length), (0, 0))), (c_new - c)[:, None] + jnp.arange(length)[None]
+        )  # [B, L, D]
         return MTPState(cache.with_lengths(c_new), shifted, new_m)

@@ -36,8 +36,12 @@ from specjax.models.loading.mapping import checked_getter, layer_from_hf
 
 MAX_DRAFTS = 8
 # Tensor-name fragments of layer kinds specjax does not have, with what to call them.
-FOREIGN = {".experts.": "mixture-of-experts", ".mlp.gate.weight": "mixture-of-experts",
-           "kv_a_proj_with_mqa": "multi-head latent attention (MLA)", "linear_attn": "linear attention"}
+FOREIGN = {
+    ".experts.": "mixture-of-experts",
+    ".mlp.gate.weight": "mixture-of-experts",
+    "kv_a_proj_with_mqa": "multi-head latent attention (MLA)",
+    "linear_attn": "linear attention",
+}
 
 
 def _layout(names: set[str], cfg_raw: dict, num_layers: int) -> tuple[str, int] | None:
@@ -89,47 +93,86 @@ def load_from_checkpoint(path: str | None, target, dtype=jnp.float32) -> MTPWeig
         return None
     source = f"MTP layers of {path}"
     layout, n = found
-    prefixes = {"deepseek": [f"model.layers.{tc.num_layers + i}." for i in range(n)],
-                "qwen3_next": [f"mtp.layers.{i}." for i in range(n)],
-                "mimo": [f"model.mtp_layers.{i}." for i in range(n)]}[layout]
-    mtp_names = [x for x in names if x.startswith(("mtp.", "model.mtp_layers.")) or
-                 any(x.startswith(p) for p in prefixes)]
+    prefixes = {
+        "deepseek": [f"model.layers.{tc.num_layers + i}." for i in range(n)],
+        "qwen3_next": [f"mtp.layers.{i}." for i in range(n)],
+        "mimo": [f"model.mtp_layers.{i}." for i in range(n)],
+    }[layout]
+    mtp_names = [
+        x for x in names if x.startswith(("mtp.", "model.mtp_layers.")) or any(x.startswith(p) for p in prefixes)
+    ]
     for frag, what in FOREIGN.items():
         if any(frag in x for x in mtp_names):
-            raise DrafterError(f"{source}: {what} MTP layers are not supported (specjax runs dense "
-                               "attention + SwiGLU layers)")
+            raise DrafterError(
+                f"{source}: {what} MTP layers are not supported (specjax runs dense attention + SwiGLU layers)"
+            )
     cfg = MTPConfig(
-        hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_heads=tc.num_heads,
-        num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim, target_vocab_size=tc.vocab_size, target_num_layers=0,
-        num_modules=n, rope_theta=tc.rope_theta, rope_scaling=tc.rope_scaling, rms_norm_eps=tc.rms_norm_eps,
-        attention_bias=tc.attention_bias, qk_norm=tc.qk_norm, hidden_first=layout == "mimo",
-        norm_feedback=layout != "deepseek", max_drafts=MAX_DRAFTS)
+        hidden_size=tc.hidden_size,
+        intermediate_size=tc.intermediate_size,
+        num_heads=tc.num_heads,
+        num_kv_heads=tc.num_kv_heads,
+        head_dim=tc.head_dim,
+        target_vocab_size=tc.vocab_size,
+        target_num_layers=0,
+        num_modules=n,
+        rope_theta=tc.rope_theta,
+        rope_scaling=tc.rope_scaling,
+        rms_norm_eps=tc.rms_norm_eps,
+        attention_bias=tc.attention_bias,
+        qk_norm=tc.qk_norm,
+        hidden_first=layout == "mimo",
+        norm_feedback=layout != "deepseek",
+        max_drafts=MAX_DRAFTS,
+    )
     fetch = checked_getter(get)
     d, v = tc.hidden_size, tc.vocab_size
-    shared = {"qwen3_next": {"enorm": "mtp.pre_fc_norm_embedding.weight", "hnorm": "mtp.pre_fc_norm_hidden.weight",
-                             "proj": "mtp.fc.weight", "norm": "mtp.norm.weight"}}.get(layout)
-    own = {"deepseek": {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "proj": "eh_proj.weight",
-                        "norm": "shared_head.norm.weight"},
-           "mimo": {"enorm": "token_layernorm.weight", "hnorm": "hidden_layernorm.weight",
-                    "proj": "input_proj.weight", "norm": "final_layernorm.weight"}}.get(layout)
+    shared = {
+        "qwen3_next": {
+            "enorm": "mtp.pre_fc_norm_embedding.weight",
+            "hnorm": "mtp.pre_fc_norm_hidden.weight",
+            "proj": "mtp.fc.weight",
+            "norm": "mtp.norm.weight",
+        }
+    }.get(layout)
+    own = {
+        "deepseek": {
+            "enorm": "enorm.weight",
+            "hnorm": "hnorm.weight",
+            "proj": "eh_proj.weight",
+            "norm": "shared_head.norm.weight",
+        },
+        "mimo": {
+            "enorm": "token_layernorm.weight",
+            "hnorm": "hidden_layernorm.weight",
+            "proj": "input_proj.weight",
+            "norm": "final_layernorm.weight",
+        },
+    }.get(layout)
     tables = {}
     if layout == "deepseek":
-        full = {"shared_head.head.weight": target.module().head_weight(),
-                "embed_tokens.weight": target.params["embed"][...]}
+        full = {
+            "shared_head.head.weight": target.module().head_weight(),
+            "embed_tokens.weight": target.params["embed"][...],
+        }
         tables = {k: np.asarray(t, np.float32) for k, t in full.items() if any(p + k in names for p in prefixes)}
     modules = {}
     try:
         for i, p in enumerate(prefixes):
             names_i = {k: (shared[k] if shared else p + own[k]) for k in ("enorm", "hnorm", "proj", "norm")}
             lay = layer_from_hf(cfg.layer_config(), fetch, p)
-            modules[i] = {"enorm": {"scale": fetch(names_i["enorm"], (d,))},
-                          "hnorm": {"scale": fetch(names_i["hnorm"], (d,))},
-                          "proj": fetch(names_i["proj"], (d, 2 * d)),
-                          "norm": {"scale": fetch(names_i["norm"], (d,))}, "block": lay}
+            modules[i] = {
+                "enorm": {"scale": fetch(names_i["enorm"], (d,))},
+                "hnorm": {"scale": fetch(names_i["hnorm"], (d,))},
+                "proj": fetch(names_i["proj"], (d, 2 * d)),
+                "norm": {"scale": fetch(names_i["norm"], (d,))},
+                "block": lay,
+            }
             for name, table in tables.items():  # copies of the target's tables, if stored: must be them
                 if p + name in names and not np.allclose(fetch(p + name, (v, d)), table, atol=1e-6):
-                    raise DrafterError(f"{source}: {p}{name} is not the target's; specjax's MTP reads "
-                                       "the target's embedding and LM head")
+                    raise DrafterError(
+                        f"{source}: {p}{name} is not the target's; specjax's MTP reads "
+                        "the target's embedding and LM head"
+                    )
     except ModelLoadError as e:
         raise DrafterError(f"{source}: {e}") from None
     arrays = {f"heads/{k}": a for k, a in _flatten(modules)}

@@ -128,10 +128,14 @@ class NgramDrafter(Drafter):
         # parent of (j, d >= 1): the first branch agreeing with j through d - 1, its node d - 1
         first = jnp.argmax(agree, axis=1)  # [B, k, D]: first j' agreeing through each depth (j itself at least)
         node = lambda j, dd: j * d + dd  # noqa: E731
-        parents = jnp.where(jnp.arange(d)[None, None] == 0, -1,
-                            node(jnp.pad(first, ((0, 0), (0, 0), (1, 0)))[:, :, :-1], jnp.arange(d)[None, None] - 1))
+        parents = jnp.where(
+            jnp.arange(d)[None, None] == 0,
+            -1,
+            node(jnp.pad(first, ((0, 0), (0, 0), (1, 0)))[:, :, :-1], jnp.arange(d)[None, None] - 1),
+        )
         dead = dup | ~alive[:, :, None]  # [B, k, D]
         parents = jnp.where(dead, -2, parents).reshape(-1, k * d)[:, : self.num_draft]  # [B, N]
         tokens = cont.reshape(-1, k * d)[:, : self.num_draft]  # [B, N]
-        return Proposal(tokens.astype(jnp.int32), active=alive[:, 0] & (n[:, 0] >= self.active_n),
-                        parents=parents.astype(jnp.int32))
+        return Proposal(
+            tokens.astype(jnp.int32), active=alive[:, 0] & (n[:, 0] >= self.active_n), parents=parents.astype(jnp.int32)
+        )

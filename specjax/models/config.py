@@ -13,13 +13,22 @@ from typing import Any
 
 from specjax.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MiMoForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MiMoForCausalLM",
+)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mimo")  # MiMo: a Qwen2 trunk (+ MTP layers)
 # Model types whose layers specjax does not have: one line naming the feature.
-UNSUPPORTED_FEATURES = {"qwen2_moe": "mixture-of-experts layers", "qwen3_moe": "mixture-of-experts layers",
-                        "qwen3_next": "linear-attention and mixture-of-experts layers",
-                        "mixtral": "mixture-of-experts layers", "deepseek_v3": "mixture-of-experts layers"}
+UNSUPPORTED_FEATURES = {
+    "qwen2_moe": "mixture-of-experts layers",
+    "qwen3_moe": "mixture-of-experts layers",
+    "qwen3_next": "linear-attention and mixture-of-experts layers",
+    "mixtral": "mixture-of-experts layers",
+    "deepseek_v3": "mixture-of-experts layers",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +79,18 @@ class LlamaConfig:
         intermediate_size, heads, head_dim, rope and eps fields): how a drafter's own decoder
         block (EAGLE-3's layer, an MTP module) reuses the target's Attention/MLP/rope code."""
         return cls(
-            vocab_size=vocab_size, hidden_size=src.hidden_size, intermediate_size=src.intermediate_size,
-            num_layers=1, num_heads=src.num_heads, num_kv_heads=src.num_kv_heads, head_dim=src.head_dim,
-            rope_theta=src.rope_theta, rope_scaling=src.rope_scaling, rms_norm_eps=src.rms_norm_eps,
-            attention_bias=getattr(src, "attention_bias", False), qk_norm=getattr(src, "qk_norm", False),
+            vocab_size=vocab_size,
+            hidden_size=src.hidden_size,
+            intermediate_size=src.intermediate_size,
+            num_layers=1,
+            num_heads=src.num_heads,
+            num_kv_heads=src.num_kv_heads,
+            head_dim=src.head_dim,
+            rope_theta=src.rope_theta,
+            rope_scaling=src.rope_scaling,
+            rms_norm_eps=src.rms_norm_eps,
+            attention_bias=getattr(src, "attention_bias", False),
+            qk_norm=getattr(src, "qk_norm", False),
         )
 
     @classmethod
@@ -108,7 +125,8 @@ class LlamaConfig:
         if hf.get("sliding_window") and model_type == "mistral":
             raise ModelLoadError("sliding-window attention is not supported")
         qwen = model_type in ("qwen2", "qwen3", "mimo") or bool(
-            {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "MiMoForCausalLM"} & set(archs))
+            {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "MiMoForCausalLM"} & set(archs)
+        )
         layer_types = hf.get("layer_types") or []
         if (qwen and hf.get("use_sliding_window")) or "sliding_attention" in layer_types:
             raise ModelLoadError("sliding-window attention layers are not supported")

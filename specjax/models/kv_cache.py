@@ -82,6 +82,7 @@ class KVUpdate:
 
     def pad_to(self, t: int) -> "KVUpdate":
         """Zero entries after the T positions up to `t` (written past what a row keeps: scratch)."""
+
         def pad(x):  # [B, T, KV, H] -> [B, t, KV, H]
             return jnp.pad(x, ((0, 0), (0, t - x.shape[1]), (0, 0), (0, 0)))
 
@@ -90,6 +91,7 @@ class KVUpdate:
     def take(self, idx: jax.Array) -> "KVUpdate":
         """Positions `idx [B, P]` of each row, in that order (a token tree's accepted path, root
         first: it is then written where a chain would have put it)."""
+
         def pick(x):  # [B, T, KV, H] -> [B, P, KV, H]
             return jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
 

@@ -208,8 +208,9 @@ class Attention(nnx.Module):
         at = jnp.zeros(x.shape[:1], jnp.int32) if starts is None else starts  # [B]
         k_cache, v_cache = write_layer(k_cache, v_cache, k, v, at)
         fresh = starts is None
-        out = attention(self.cfg, self.o[...], q, k, v, None if fresh else k_cache, None if fresh else v_cache,
-                        starts, mask)
+        out = attention(
+            self.cfg, self.o[...], q, k, v, None if fresh else k_cache, None if fresh else v_cache, starts, mask
+        )
         return out, k_cache, v_cache
 
 
@@ -263,8 +264,9 @@ def attention(cfg: LlamaConfig, o_weight, q, k, v, k_cache, v_cache, starts, mas
         top = jnp.maximum(jnp.max(s_old, axis=1, keepdims=True), jnp.max(s_new, axis=1, keepdims=True))  # [B*KV, 1, M]
         p_old, p_new = jnp.exp(s_old - top), jnp.exp(s_new - top)  # one softmax over S + T, unnormalised
         total = jnp.sum(p_old, axis=1) + jnp.sum(p_new, axis=1)  # [B*KV, M]
-        out = (jnp.einsum("NSM,NSH->NMH", p_old.astype(dtype), v_cache, preferred_element_type=acc)
-               + jnp.einsum("NTM,NTH->NMH", p_new.astype(dtype), v_new, preferred_element_type=acc))  # [B*KV, M, H]
+        out = jnp.einsum("NSM,NSH->NMH", p_old.astype(dtype), v_cache, preferred_element_type=acc) + jnp.einsum(
+            "NTM,NTH->NMH", p_new.astype(dtype), v_new, preferred_element_type=acc
+        )  # [B*KV, M, H]
     out = (out / total[:, :, None]).astype(q.dtype)  # [B*KV, M, H]
     out = out.reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4)  # [B, T, KV, G, H]
     return linear(o_weight, out.reshape(b, t, n * h))
@@ -336,8 +338,15 @@ class Llama(nnx.Module):
         """Final normed hidden `[..., D]` -> f32 logits `[..., V]`."""
         return linear(self.head_weight(), h, jnp.float32)
 
-    def hidden(self, tokens, cache: KVCache, feature_layers: tuple[int, ...] = (), positions=None, mask=None,
-               fresh: bool = False):
+    def hidden(
+        self,
+        tokens,
+        cache: KVCache,
+        feature_layers: tuple[int, ...] = (),
+        positions=None,
+        mask=None,
+        fresh: bool = False,
+    ):
         """Run the decoder over new tokens written at `cache.lengths`.
 
         Args:
@@ -373,8 +382,11 @@ class Llama(nnx.Module):
         x = self.embed_tokens(tokens)  # [B, T, D]
         b, t = tokens.shape
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t)) if fresh else (
-                cache.lengths[:, None] + jnp.arange(t)[None, :])  # [B, T]
+            positions = (
+                jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
+                if fresh
+                else (cache.lengths[:, None] + jnp.arange(t)[None, :])
+            )  # [B, T]
         starts = None if fresh else cache.lengths  # [B]
         cos, sin = rope_tables(self.cfg, positions)  # [B, T, H] each
         outs, ks, vs = [], [], []

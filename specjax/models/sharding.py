@@ -34,8 +34,9 @@ def parse_mesh(spec: str | None, n_local: int) -> dict[str, int]:
         name, eq, val = part.partition("=")
         name = name.strip()
         if not eq or name not in MESH_AXES or name in sizes:
-            raise SpecjaxError(f"--mesh takes axis=size pairs over {', '.join(MESH_AXES)} "
-                               f"(e.g. data=2,model=2), got {spec!r}")
+            raise SpecjaxError(
+                f"--mesh takes axis=size pairs over {', '.join(MESH_AXES)} (e.g. data=2,model=2), got {spec!r}"
+            )
         try:
             sizes[name] = int(val)
         except ValueError:

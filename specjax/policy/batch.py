@@ -71,15 +71,23 @@ def parse_num_draft(value) -> int | tuple[tuple[int, ...], bool]:
         if not sizes or sizes[0] < 1:
             raise SpecjaxError(f"--num-draft auto:N1,N2,... takes integers >= 1, got {value!r}")
         return sizes, True
-    k = _word_or_count(value, ("auto",), "--num-draft must be K >= 0, auto or auto:N1,N2,..., got {value}",
-                       "--num-draft must be >= 0, got {n}")
+    k = _word_or_count(
+        value,
+        ("auto",),
+        "--num-draft must be K >= 0, auto or auto:N1,N2,..., got {value}",
+        "--num-draft must be >= 0, got {n}",
+    )
     return ((), False) if k == "auto" else k
 
 
 def parse_policy(value) -> str | int:
     """'auto' | 'always' | N >= 0 (int); anything else is a one-line error."""
-    return _word_or_count(value, ("auto", "always"), "--spec-policy must be auto, always or a row count >= 0, "
-                          "got {value}", "--spec-policy row count must be >= 0, got {n}")
+    return _word_or_count(
+        value,
+        ("auto", "always"),
+        "--spec-policy must be auto, always or a row count >= 0, got {value}",
+        "--spec-policy row count must be >= 0, got {n}",
+    )
 
 
 def draft_variants(spec: str | None, num_draft, model, tree_topk: int = 1, tree_depth: int = 0) -> dict:
@@ -101,8 +109,10 @@ def draft_variants(spec: str | None, num_draft, model, tree_topk: int = 1, tree_
             if explicit:
                 raise
     if not out:
-        raise DrafterError(f"--num-draft auto: the {spec} drafter can draft none of "
-                           f"{AUTO_TREE_NODES if tree_topk > 1 else AUTO_CHAIN_K} (give auto:N1,N2,...)")
+        raise DrafterError(
+            f"--num-draft auto: the {spec} drafter can draft none of "
+            f"{AUTO_TREE_NODES if tree_topk > 1 else AUTO_CHAIN_K} (give auto:N1,N2,...)"
+        )
     return out
 
 
@@ -135,25 +145,31 @@ class BatchPolicy:
             with open(self.path, encoding="utf-8") as fh:
                 state = json.load(fh)
         except (OSError, ValueError) as e:
-            raise SpecjaxError(f"{self.path}: unreadable speculation state ({e}); delete it to measure the "
-                               "step costs again") from None
+            raise SpecjaxError(
+                f"{self.path}: unreadable speculation state ({e}); delete it to measure the step costs again"
+            ) from None
         if not isinstance(state, dict) or (state.get("version"), state.get("drafter"), state.get("num_draft")) != (
-                FILE_VERSION, self.drafter, self.num_draft):
+            FILE_VERSION,
+            self.drafter,
+            self.num_draft,
+        ):
             # Another drafter or K (or an older file): its tables do not apply. Rows written stay.
             return
         classes = state.get("classes")
         if not isinstance(classes, dict) or not all(
-                isinstance(c, dict) and isinstance(c.get("costs"), list) and c.get("num_draft") in self.ks
-                and isinstance(c.get("speculates"), bool)
-                for c in classes.values()):
+            isinstance(c, dict)
+            and isinstance(c.get("costs"), list)
+            and c.get("num_draft") in self.ks
+            and isinstance(c.get("speculates"), bool)
+            for c in classes.values()
+        ):
             raise SpecjaxError(f"{self.path}: malformed speculation state; delete it to measure the step costs again")
         self.classes = classes
 
     def _save(self) -> None:
         from specjax.files import write_atomic
 
-        state = {"version": FILE_VERSION, "drafter": self.drafter, "num_draft": self.num_draft,
-                 "classes": self.classes}
+        state = {"version": FILE_VERSION, "drafter": self.drafter, "num_draft": self.num_draft, "classes": self.classes}
         write_atomic(self.path, (json.dumps(state, indent=1) + "\n").encode())
 
     def speculates(self, size: int) -> bool:
@@ -179,10 +195,16 @@ class BatchPolicy:
                 return True, None, self.k
             gains = {int(k): float(g) for k, (_, g) in got.items()}
             k = max(gains, key=lambda k: (gains[k], -k))  # ties: the smaller K
-            self.classes[cls] = {"num_draft": k, "costs": [float(x) for x in got[k][0]], "gain": gains[k],
-                                 "gains": {str(k_): g for k_, g in sorted(gains.items())},
-                                 "speculates": gains[k] >= 1.0 + MARGIN, "batches": 0, "steps": 0,
-                                 "verified_steps": 0}
+            self.classes[cls] = {
+                "num_draft": k,
+                "costs": [float(x) for x in got[k][0]],
+                "gain": gains[k],
+                "gains": {str(k_): g for k_, g in sorted(gains.items())},
+                "speculates": gains[k] >= 1.0 + MARGIN,
+                "batches": 0,
+                "steps": 0,
+                "verified_steps": 0,
+            }
             self._save()
         entry = self.classes[cls]
         return entry["speculates"], entry["costs"] if entry["speculates"] else None, entry["num_draft"]
@@ -200,11 +222,18 @@ class BatchPolicy:
     def summary(self) -> dict:
         """Per class: batches, the verify step's cost at K in plain steps, the measured gain,
         whether the class speculates, and the share of steps that verified."""
-        return {cls: {"batches": e["batches"], "num_draft": e["num_draft"], "verify_cost": e["costs"][-1],
-                      "gain": e["gain"], "gains": e["gains"],
-                      "speculates": e["speculates"],
-                      "verified_share": e["verified_steps"] / e["steps"] if e["steps"] else None}
-                for cls, e in sorted(self.classes.items(), key=lambda x: (int(x[0].split("/")[0]), x[0]))}
+        return {
+            cls: {
+                "batches": e["batches"],
+                "num_draft": e["num_draft"],
+                "verify_cost": e["costs"][-1],
+                "gain": e["gain"],
+                "gains": e["gains"],
+                "speculates": e["speculates"],
+                "verified_share": e["verified_steps"] / e["steps"] if e["steps"] else None,
+            }
+            for cls, e in sorted(self.classes.items(), key=lambda x: (int(x[0].split("/")[0]), x[0]))
+        }
 
     def describe(self, size: int, greedy: bool) -> str:
         mode = "greedy" if greedy else "sampled"
@@ -214,10 +243,17 @@ class BatchPolicy:
         if entry is None:
             return f"{mode} batches of {size} rows: K={self.k}, every step verifies (--spec-policy {self.policy})"
         c, g, k = entry["costs"][-1], entry["gain"], entry["num_draft"]
-        tried = "" if len(self.ks) == 1 else (
-            " (K " + ", ".join(f"{k_}: {g_:.2f}x" for k_, g_ in entry["gains"].items()) + ")")
+        tried = (
+            ""
+            if len(self.ks) == 1
+            else (" (K " + ", ".join(f"{k_}: {g_:.2f}x" for k_, g_ in entry["gains"].items()) + ")")
+        )
         if not entry["speculates"]:
-            return (f"{mode} batches of {size} rows: plain decoding (the drafter ran at {g:.2f}x plain on the first "
-                    f"batch{tried})")
-        return (f"{mode} batches of {size} rows: K={k} (the drafter ran at {g:.2f}x plain on the first "
-                f"batch{tried}); each row verifies while its acceptance pays for a verify step at {c:.2f} plain steps")
+            return (
+                f"{mode} batches of {size} rows: plain decoding (the drafter ran at {g:.2f}x plain on the first "
+                f"batch{tried})"
+            )
+        return (
+            f"{mode} batches of {size} rows: K={k} (the drafter ran at {g:.2f}x plain on the first "
+            f"batch{tried}); each row verifies while its acceptance pays for a verify step at {c:.2f} plain steps"
+        )

@@ -72,8 +72,7 @@ class Decision:
 class Policy:
     """Chooses K for the next chunk (see the module docstring)."""
 
-    def __init__(self, cfg: ServingConfig, costs: StepCosts, ks: tuple[int, ...],
-                 widths: dict[int, int] | None = None):
+    def __init__(self, cfg: ServingConfig, costs: StepCosts, ks: tuple[int, ...], widths: dict[int, int] | None = None):
         """`widths[K]`: the most drafts a step at K accepts (K for chains, a tree's depth)."""
         self.cfg = cfg
         self.costs = costs
@@ -96,8 +95,16 @@ class Policy:
         options = [(self.gain(est, b, k), k) for k in self.ks if k > 0]
         return max(options) if options else (1.0, 0)
 
-    def choose(self, bucket: int, rows: dict[str, int], queued: int, estimates: dict[str, Estimate],
-               spec_on: dict[str, bool], probing: tuple[str, ...], current_k: int) -> Decision:
+    def choose(
+        self,
+        bucket: int,
+        rows: dict[str, int],
+        queued: int,
+        estimates: dict[str, Estimate],
+        spec_on: dict[str, bool],
+        probing: tuple[str, ...],
+        current_k: int,
+    ) -> Decision:
         """rows: live rows per class; estimates: per class; spec_on: the monitor's switches."""
         n = sum(rows.values())
         mode = self.cfg.policy
@@ -113,8 +120,9 @@ class Policy:
         if mode == "schedule":
             k = next((k for rows_max, k in self.cfg.schedule if n <= rows_max), self.cfg.schedule[-1][1])
             if k and not any(spec_on.get(c, True) for c in present):
-                return Decision(0, f"schedule gives K={k} for {n} rows, but speculation is off for "
-                                   f"{', '.join(present)}")
+                return Decision(
+                    0, f"schedule gives K={k} for {n} rows, but speculation is off for {', '.join(present)}"
+                )
             return Decision(k, f"schedule: {n} running rows -> K={k}")
         return self._rules(bucket, rows, queued, estimates, spec_on, current_k)
 
@@ -127,8 +135,10 @@ class Policy:
         f = sum(rows[c] * estimates[c].verified for c in present) / sum(rows[c] for c in present)
 
         def value(k):
-            toks = sum(weight[c] * rows[c] * (self.mal(estimates[c], k) if spec_on.get(c, True) or k == 0 else 1.0)
-                       for c in present)
+            toks = sum(
+                weight[c] * rows[c] * (self.mal(estimates[c], k) if spec_on.get(c, True) or k == 0 else 1.0)
+                for c in present
+            )
             return toks / self.costs.effective(b, k, f)
 
         values = {k: value(k) for k in self.ks}
@@ -138,9 +148,11 @@ class Policy:
         gain = values[k] / values[0]
         off = [c for c in present if not spec_on.get(c, True)]
         mals = ", ".join(f"MAL_{c}({k})={self.mal(estimates[c], k):.2f}" for c in present)
-        why = (f"B={b} ({', '.join(f'{rows[c]} {c}' for c in present)}), queue {queued}: K={k} expected "
-               f"{gain:.2f}x plain ({mals}; cost K/0 = {self.costs.effective(b, k, f) / self.costs.cost(b, 0):.2f}"
-               f", f={f:.2f})")
+        why = (
+            f"B={b} ({', '.join(f'{rows[c]} {c}' for c in present)}), queue {queued}: K={k} expected "
+            f"{gain:.2f}x plain ({mals}; cost K/0 = {self.costs.effective(b, k, f) / self.costs.cost(b, 0):.2f}"
+            f", f={f:.2f})"
+        )
         if keep and best != current_k:
             why += f"; K={best} would gain only {values[best] / values[current_k]:.3f}x, kept"
         if off:

@@ -38,8 +38,17 @@ def cost_key(model, drafter, label: str, batch: int) -> str:
     """What a verify step's relative cost depends on: model, dtype, drafter (its label, K and
     verify widths), batch bucket (a power of two), device."""
     bucket = 1 << max(batch - 1, 0).bit_length()
-    return "|".join([model.name, str(model.dtype), label, f"K{drafter.num_draft}", repr(drafter.verify_lengths),
-                     f"B{bucket}", jax.devices()[0].device_kind])
+    return "|".join(
+        [
+            model.name,
+            str(model.dtype),
+            label,
+            f"K{drafter.num_draft}",
+            repr(drafter.verify_lengths),
+            f"B{bucket}",
+            jax.devices()[0].device_kind,
+        ]
+    )
 
 
 def measure_costs(engine, prompt_ids, params, eos_ids, drafter, label: str) -> np.ndarray:
@@ -56,9 +65,9 @@ def measure_costs(engine, prompt_ids, params, eos_ids, drafter, label: str) -> n
         except (OSError, ValueError, AttributeError):
             pass
     if key not in _COSTS:
+
         def per_step(mode, d):
-            rows = engine.generate(prompt_ids, params, eos_ids=(), drafter=d, max_new_cap=PROBE_TOKENS,
-                                   spec_mode=mode)
+            rows = engine.generate(prompt_ids, params, eos_ids=(), drafter=d, max_new_cap=PROBE_TOKENS, spec_mode=mode)
             return rows[0].decode_seconds / max(max(r.steps for r in rows), 1)
 
         for _ in range(2):  # the first of each is a warm-up
@@ -84,13 +93,17 @@ def measure_gains(engine, prompt_ids, params, eos_ids, drafters: dict, labels: d
     from specjax.drafters.base import NoDrafter
 
     def rate(d):  # ALWAYS: the compiled loop measure_costs timed
-        out = [engine.generate(prompt_ids, params, eos_ids=eos_ids, drafter=d, max_new_cap=PROBE_TOKENS,
-                               spec_mode=ALWAYS) for _ in range(2)][-1]
+        out = [
+            engine.generate(prompt_ids, params, eos_ids=eos_ids, drafter=d, max_new_cap=PROBE_TOKENS, spec_mode=ALWAYS)
+            for _ in range(2)
+        ][-1]
         return sum(len(r.token_ids) - 1 for r in out[:rows]) / max(out[0].decode_seconds, 1e-9)
 
     plain = rate(NoDrafter())
-    return {k: (measure_costs(engine, prompt_ids, params, eos_ids, d, labels[k]).tolist(), rate(d) / plain)
-            for k, d in drafters.items()}
+    return {
+        k: (measure_costs(engine, prompt_ids, params, eos_ids, d, labels[k]).tolist(), rate(d) / plain)
+        for k, d in drafters.items()
+    }
 
 
 class StepCosts:
@@ -145,8 +158,9 @@ class StepCosts:
         at 2.6 plain steps left it looking cheaper than before it ran: about 2.1 plain steps
         instead of the table's 2.4). Nothing run at the bucket: the table."""
         bucket = self._bucket(b)
-        near = sorted((abs(kk - k) + (0.5 if k > 0 and kk == 0 else 0.0), kk)
-                      for (x, kk) in self._live if x == bucket and kk != k)
+        near = sorted(
+            (abs(kk - k) + (0.5 if k > 0 and kk == 0 else 0.0), kk) for (x, kk) in self._live if x == bucket and kk != k
+        )
         borrowed = self._shrunk(bucket, near[0][1], 1.0) if near else 1.0
         if (bucket, k) not in self._live:
             return borrowed

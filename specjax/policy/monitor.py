@@ -236,19 +236,36 @@ class AcceptanceMonitor:
             st.probing = False
             st.last_probe_step = step
             if st.on:  # exploration: from now on the policy prices K from this evidence
-                self.log.add("explored", f"class {cls}: measured expected gain {gain:.2f} over "
-                             f"{st.window_steps} row-steps ({detail})", cls=cls, gain=gain, step=step)
+                self.log.add(
+                    "explored",
+                    f"class {cls}: measured expected gain {gain:.2f} over {st.window_steps} row-steps ({detail})",
+                    cls=cls,
+                    gain=gain,
+                    step=step,
+                )
             elif up >= cfg.on_above:
                 st.on, st.on_since = True, step
                 st.switches += 1
-                self.log.add("spec_on", f"class {cls}: probe measured expected gain {seen} >= "
-                             f"{cfg.on_above:.2f}; speculation back on ({detail})", cls=cls, gain=gain, step=step)
+                self.log.add(
+                    "spec_on",
+                    f"class {cls}: probe measured expected gain {seen} >= "
+                    f"{cfg.on_above:.2f}; speculation back on ({detail})",
+                    cls=cls,
+                    gain=gain,
+                    step=step,
+                )
                 return
             else:
                 st.probe_interval = self._backoff(st.probe_interval)
-                self.log.add("probe_failed", f"class {cls}: probe measured expected gain {seen} < "
-                             f"{cfg.on_above:.2f} over {st.window_steps} row-steps; speculation stays off, next "
-                             f"probe in {st.probe_interval} steps ({detail})", cls=cls, gain=gain, step=step)
+                self.log.add(
+                    "probe_failed",
+                    f"class {cls}: probe measured expected gain {seen} < "
+                    f"{cfg.on_above:.2f} over {st.window_steps} row-steps; speculation stays off, next "
+                    f"probe in {st.probe_interval} steps ({detail})",
+                    cls=cls,
+                    gain=gain,
+                    step=step,
+                )
                 return
         if st.window_steps < cfg.min_steps:
             return
@@ -256,9 +273,15 @@ class AcceptanceMonitor:
             # a class that was on only briefly (a lucky probe) keeps backing off
             brief = st.probe_interval > 0 and step - st.on_since < cfg.probe_every_max
             st.probe_interval = self._backoff(st.probe_interval) if brief else cfg.probe_every
-            self.log.add("spec_off", f"class {cls}: expected gain {gain:.2f} < {cfg.off_below:.2f} over the "
-                         f"last {st.window_steps} row-steps; speculation off, next probe in {st.probe_interval} "
-                         f"steps ({detail})", cls=cls, gain=gain, step=step)
+            self.log.add(
+                "spec_off",
+                f"class {cls}: expected gain {gain:.2f} < {cfg.off_below:.2f} over the "
+                f"last {st.window_steps} row-steps; speculation off, next probe in {st.probe_interval} "
+                f"steps ({detail})",
+                cls=cls,
+                gain=gain,
+                step=step,
+            )
             st.on = False
             st.switches += 1
             st.last_probe_step = st.off_since = step
@@ -266,9 +289,14 @@ class AcceptanceMonitor:
         elif not st.on and up >= cfg.on_above:  # measured in other classes' speculative chunks
             st.on, st.on_since = True, step
             st.switches += 1
-            self.log.add("spec_on", f"class {cls}: expected gain {seen} >= {cfg.on_above:.2f} over "
-                         f"{st.window_steps} row-steps since it was switched off; speculation back on ({detail})",
-                         cls=cls, gain=gain, step=step)
+            self.log.add(
+                "spec_on",
+                f"class {cls}: expected gain {seen} >= {cfg.on_above:.2f} over "
+                f"{st.window_steps} row-steps since it was switched off; speculation back on ({detail})",
+                cls=cls,
+                gain=gain,
+                step=step,
+            )
 
     def _backoff(self, interval: int) -> int:
         return min(max(int(interval * self.cfg.probe_backoff), self.cfg.probe_every), self.cfg.probe_every_max)
@@ -283,7 +311,13 @@ class AcceptanceMonitor:
         out = {}
         for c, st in self.classes.items():
             w = self.window(c)
-            out[c] = {"speculation": st.on or not self.enabled, "probing": st.probing, "switches": st.switches,
-                      "rolling_mal": w.mal, "rolling_acceptance_rate": w.acceptance_rate,
-                      "window_steps": w.steps, "drafter": self.drafter}
+            out[c] = {
+                "speculation": st.on or not self.enabled,
+                "probing": st.probing,
+                "switches": st.switches,
+                "rolling_mal": w.mal,
+                "rolling_acceptance_rate": w.acceptance_rate,
+                "window_steps": w.steps,
+                "drafter": self.drafter,
+            }
         return out

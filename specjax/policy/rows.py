@@ -80,8 +80,9 @@ def expected_tokens(alpha: jax.Array, width: jax.Array) -> jax.Array:
     return (1.0 - alpha ** (width + 1).astype(jnp.float32)) / (1.0 - alpha)
 
 
-def update(pol: RowPolicy, on: jax.Array, steps: jax.Array, width: jax.Array, checked: jax.Array,
-           accepted: jax.Array) -> RowPolicy:
+def update(
+    pol: RowPolicy, on: jax.Array, steps: jax.Array, width: jax.Array, checked: jax.Array, accepted: jax.Array
+) -> RowPolicy:
     """After a step. on [B] bool: `plan`'s rows; steps [B] int32: the rows' step counts at this
     step; width [B] int32: drafts the row verified (0: a plain step); checked/accepted [B] int32:
     draft positions it checked (up to the first rejection) and accepted. A row that verified

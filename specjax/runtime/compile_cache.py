@@ -27,8 +27,11 @@ class CompileCache:
 
     def get(self, name: str, fn, static: dict, donate: tuple, *args):
         """`fn(*args, **static)` compiled with `donate` (argument indices) donated."""
-        key = (name, tuple(sorted((k, v.cache_key() if isinstance(v, Drafter) else v) for k, v in static.items())),
-               tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
+        key = (
+            name,
+            tuple(sorted((k, v.cache_key() if isinstance(v, Drafter) else v) for k, v in static.items())),
+            tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)),
+        )
         exe = self.executables.get(key)
         if exe is None:
             t0 = time.perf_counter()

@@ -106,22 +106,51 @@ def _prefill(graphdef, params, prompt, prompt_len, *, cache_size, feature_layers
                 features = jax.lax.dynamic_update_slice_in_dim(features, feat_c.astype(dtype), lo, axis=2)
             return cache, last_h, h, features
 
-        cache, last_h, h, features = jax.lax.fori_loop(0, t // c, chunk,
-                                                       (cache, jnp.zeros((b, d), dtype), h, features))
+        cache, last_h, h, features = jax.lax.fori_loop(0, t // c, chunk, (cache, jnp.zeros((b, d), dtype), h, features))
     return cache.with_lengths(prompt_len), model.logits(last_h), features, (h if want_final else None)
 
 
-def _decode(graphdef, params, dparams, cache, last_logits, prompt, prompt_len, features, final_hidden,
-            samp: SamplingArrays, max_new, stop_ids, seed, policy, *, drafter: Drafter, all_greedy: bool,
-            implementation: str):
+def _decode(
+    graphdef,
+    params,
+    dparams,
+    cache,
+    last_logits,
+    prompt,
+    prompt_len,
+    features,
+    final_hidden,
+    samp: SamplingArrays,
+    max_new,
+    stop_ids,
+    seed,
+    policy,
+    *,
+    drafter: Drafter,
+    all_greedy: bool,
+    implementation: str,
+):
     """max_new [B] int32; stop_ids [B, M] int32 (-1 padded); policy: RowPolicy or None. Returns
     the final LoopState."""
     model = nnx.merge(graphdef, params)
-    state = init_state(dparams, cache, last_logits, prompt, prompt_len, features, final_hidden, samp, max_new,
-                       stop_ids, seed, drafter=drafter, all_greedy=all_greedy, stat_width=drafter.accept_width,
-                       policy=policy)
-    step = partial(decode_step, model, dparams, drafter=drafter, all_greedy=all_greedy,
-                   implementation=implementation)
+    state = init_state(
+        dparams,
+        cache,
+        last_logits,
+        prompt,
+        prompt_len,
+        features,
+        final_hidden,
+        samp,
+        max_new,
+        stop_ids,
+        seed,
+        drafter=drafter,
+        all_greedy=all_greedy,
+        stat_width=drafter.accept_width,
+        policy=policy,
+    )
+    step = partial(decode_step, model, dparams, drafter=drafter, all_greedy=all_greedy, implementation=implementation)
     return jax.lax.while_loop(lambda st: ~jnp.all(st.done), step, state)
 
 
@@ -151,9 +180,16 @@ class Engine:
         s = bucket_multiple(max(max(prompt_lens) + max_new + k + 2, t), 128)
         return t, s
 
-    def generate(self, prompt_ids: list[list[int]], sampling: list[SamplingParams], eos_ids=(),
-                 drafter: Drafter | None = None, max_new_cap: int | None = None, spec_mode: int | None = None,
-                 costs: np.ndarray | None = None) -> list[RowOutput]:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        sampling: list[SamplingParams],
+        eos_ids=(),
+        drafter: Drafter | None = None,
+        max_new_cap: int | None = None,
+        spec_mode: int | None = None,
+        costs: np.ndarray | None = None,
+    ) -> list[RowOutput]:
         """`max_new_cap`: stop every row after this many tokens while compiling for the rows'
         `max_new_tokens` (a short probe that runs the code the full batch runs). `spec_mode`: None
         (verify whatever the drafter proposes, no policy state) or a `policy.rows` mode (AUTO,
@@ -183,7 +219,8 @@ class Engine:
 
             rows, repl = NamedSharding(self.mesh, PartitionSpec("data")), NamedSharding(self.mesh, PartitionSpec())
             prompt, prompt_len, samp, max_new_arr, stop_arr, seed = jax.device_put(
-                (prompt, prompt_len, samp, max_new_arr, stop_arr, seed), rows)
+                (prompt, prompt_len, samp, max_new_arr, stop_arr, seed), rows
+            )
             dparams = jax.device_put(dparams, repl)
 
         policy = None
@@ -197,14 +234,44 @@ class Engine:
         # Compile decode before timing anything: its arguments' shapes are known without running.
         c_shape, l_shape, h_shape, f_shape = pre.out_info
         dec_static = dict(drafter=drafter, all_greedy=all_greedy, implementation=self.implementation)
-        dec = self._get("decode", _decode, dec_static, (2,), weights, dparams, c_shape, l_shape, prompt, prompt_len,
-                        h_shape, f_shape, samp, max_new_arr, stop_arr, seed, policy)
+        dec = self._get(
+            "decode",
+            _decode,
+            dec_static,
+            (2,),
+            weights,
+            dparams,
+            c_shape,
+            l_shape,
+            prompt,
+            prompt_len,
+            h_shape,
+            f_shape,
+            samp,
+            max_new_arr,
+            stop_arr,
+            seed,
+            policy,
+        )
         t0 = time.perf_counter()
         cache, last_logits, features, final_hidden = pre(weights, prompt, prompt_len)
         jax.block_until_ready(last_logits)
         t1 = time.perf_counter()
-        st = dec(weights, dparams, cache, last_logits, prompt, prompt_len, features, final_hidden,
-                 samp, max_new_arr, stop_arr, seed, policy)
+        st = dec(
+            weights,
+            dparams,
+            cache,
+            last_logits,
+            prompt,
+            prompt_len,
+            features,
+            final_hidden,
+            samp,
+            max_new_arr,
+            stop_arr,
+            seed,
+            policy,
+        )
         history = np.asarray(st.history)
         t2 = time.perf_counter()
         hist_len, stopped = np.asarray(st.hist_len), np.asarray(st.stopped)

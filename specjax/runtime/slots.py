@@ -65,14 +65,35 @@ def _take_row(big, like, slot):
     return jax.lax.dynamic_slice_in_dim(v, slot, 1, axis=0)[0]
 
 
-def _prefill_row(params, dparams, prompt, prompt_len, samp, max_new, stop_ids, seed, *, graphdef, cache_size,
-                 drafter, stat_width):
+def _prefill_row(
+    params, dparams, prompt, prompt_len, samp, max_new, stop_ids, seed, *, graphdef, cache_size, drafter, stat_width
+):
     """prompt [1, T] -> a one-row LoopState."""
-    cache, logits, features, final_hidden = _prefill(graphdef, params, prompt, prompt_len, cache_size=cache_size,
-                                                     feature_layers=drafter.feature_layers,
-                                                     want_final=drafter.needs_final_hidden)
-    return init_state(dparams, cache, logits, prompt, prompt_len, features, final_hidden, samp, max_new, stop_ids, seed,
-                      drafter=drafter, all_greedy=False, stat_width=stat_width)
+    cache, logits, features, final_hidden = _prefill(
+        graphdef,
+        params,
+        prompt,
+        prompt_len,
+        cache_size=cache_size,
+        feature_layers=drafter.feature_layers,
+        want_final=drafter.needs_final_hidden,
+    )
+    return init_state(
+        dparams,
+        cache,
+        logits,
+        prompt,
+        prompt_len,
+        features,
+        final_hidden,
+        samp,
+        max_new,
+        stop_ids,
+        seed,
+        drafter=drafter,
+        all_greedy=False,
+        stat_width=stat_width,
+    )
 
 
 def _insert(state, slot, row):
@@ -97,8 +118,15 @@ def _run_chunk(params, dparams, state, n_steps, exit_on_finish, force_verify, *,
 
     def body(c):
         i, st = c
-        return i + 1, decode_step(model, dparams, st, drafter=drafter, all_greedy=False,
-                                  implementation=implementation, force_verify=force_verify)
+        return i + 1, decode_step(
+            model,
+            dparams,
+            st,
+            drafter=drafter,
+            all_greedy=False,
+            implementation=implementation,
+            force_verify=force_verify,
+        )
 
     steps, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
     return state, steps
@@ -107,8 +135,15 @@ def _run_chunk(params, dparams, state, n_steps, exit_on_finish, force_verify, *,
 class SlotEngine:
     """Compiled slot operations for one target, one drafter family, a set of K and batch buckets."""
 
-    def __init__(self, model: Model, drafter: Drafter | None, ks=(0,), buckets=(1, 2, 4, 8),
-                 max_seq_len: int | None = None, implementation: str = "auto"):
+    def __init__(
+        self,
+        model: Model,
+        drafter: Drafter | None,
+        ks=(0,),
+        buckets=(1, 2, 4, 8),
+        max_seq_len: int | None = None,
+        implementation: str = "auto",
+    ):
         drafter = drafter or NoDrafter()
         self.ks = tuple(sorted({int(k) for k in ks}))
         if not self.ks or self.ks[0] < 0:
@@ -116,8 +151,10 @@ class SlotEngine:
         if self.ks[-1] > 0 and isinstance(drafter, NoDrafter):
             raise ValueError("K > 0 needs a drafter")
         if drafter.k_dependent_state and (len(self.ks) != 1 or self.ks[0] == 0):
-            raise DrafterError(f"the {drafter.name} drafter's state depends on K, so it cannot switch K "
-                               f"between chunks: serve it with one K > 0 (e.g. ks: [{drafter.num_draft}])")
+            raise DrafterError(
+                f"the {drafter.name} drafter's state depends on K, so it cannot switch K "
+                f"between chunks: serve it with one K > 0 (e.g. ks: [{drafter.num_draft}])"
+            )
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"batch buckets must be >= 1, got {buckets}")
@@ -175,29 +212,44 @@ class SlotEngine:
         prompt[0, : len(prompt_ids)] = prompt_ids
         stops = np.full((1, STOP_WIDTH), -1, np.int32)
         stops[0, : len(stop_ids)] = list(stop_ids)[:STOP_WIDTH]
-        return (jnp.asarray(prompt), jnp.asarray([len(prompt_ids)], jnp.int32), SamplingArrays.from_params([sampling]),
-                jnp.asarray([sampling.max_new_tokens], jnp.int32), jnp.asarray(stops),
-                jnp.asarray([sampling.row_seed()], jnp.uint32))
+        return (
+            jnp.asarray(prompt),
+            jnp.asarray([len(prompt_ids)], jnp.int32),
+            SamplingArrays.from_params([sampling]),
+            jnp.asarray([sampling.max_new_tokens], jnp.int32),
+            jnp.asarray(stops),
+            jnp.asarray([sampling.row_seed()], jnp.uint32),
+        )
 
     def prefill(self, prompt_ids: list[int], sampling: SamplingParams, stop_ids=()) -> LoopState:
         """One request -> a one-row state (first token sampled, drafter initialised); the row
         draws from its own stream (`sampling.seed`, or a fresh one when None)."""
         if len(prompt_ids) + sampling.max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompt {len(prompt_ids)} + max_new_tokens {sampling.max_new_tokens} > "
-                             f"max_seq_len {self.max_seq_len}")
+            raise ValueError(
+                f"prompt {len(prompt_ids)} + max_new_tokens {sampling.max_new_tokens} > max_seq_len {self.max_seq_len}"
+            )
         if len(stop_ids) > STOP_WIDTH:
             raise ValueError(f"at most {STOP_WIDTH} stop ids per row")
         args = (self.params, self.dparams) + self.row_inputs(prompt_ids, sampling, stop_ids)
-        static = dict(graphdef=self.model.graphdef, cache_size=self.cache_size, drafter=self.variants[self.kmax],
-                      stat_width=self.stat_width)
+        static = dict(
+            graphdef=self.model.graphdef,
+            cache_size=self.cache_size,
+            drafter=self.variants[self.kmax],
+            stat_width=self.stat_width,
+        )
         return self._get("prefill", _prefill_row, static, (), *args)(*args)
 
     def row_like(self):
         """Abstract shapes of a one-row state (for extract and empty states)."""
         if self._row_like is None:
             args = (self.params, self.dparams) + self.row_inputs([0], SamplingParams(max_new_tokens=1, seed=0), ())
-            fn = partial(_prefill_row, graphdef=self.model.graphdef, cache_size=self.cache_size,
-                         drafter=self.variants[self.kmax], stat_width=self.stat_width)
+            fn = partial(
+                _prefill_row,
+                graphdef=self.model.graphdef,
+                cache_size=self.cache_size,
+                drafter=self.variants[self.kmax],
+                stat_width=self.stat_width,
+            )
             self._row_like = jax.eval_shape(fn, *args)
         return self._row_like
 
@@ -205,8 +257,12 @@ class SlotEngine:
         """B free slots: done rows (they write nothing) with harmless contents."""
         like = self.row_like()
         st = jax.tree.map(lambda x: jnp.zeros((b * x.shape[0],) + x.shape[1:], x.dtype), like)
-        return st.replace(done=jnp.ones((b,), bool), hist_len=jnp.ones((b,), jnp.int32),
-                          max_new=jnp.ones((b,), jnp.int32), stop_ids=jnp.full((b, STOP_WIDTH), -1, jnp.int32))
+        return st.replace(
+            done=jnp.ones((b,), bool),
+            hist_len=jnp.ones((b,), jnp.int32),
+            max_new=jnp.ones((b,), jnp.int32),
+            stop_ids=jnp.full((b, STOP_WIDTH), -1, jnp.int32),
+        )
 
     def free_row(self) -> LoopState:
         """A one-row free slot, inserted to evict a row (cancelled requests)."""
@@ -223,8 +279,7 @@ class SlotEngine:
     def run_chunk(self, state: LoopState, k: int, n_steps: int, exit_on_finish: bool = False):
         """-> (state, steps run). The state is donated: use only the returned one."""
         static = dict(graphdef=self.model.graphdef, drafter=self.variants[k], implementation=self.implementation)
-        args = (self.params, self.dparams, state, jnp.int32(n_steps), jnp.asarray(exit_on_finish),
-                jnp.asarray(False))
+        args = (self.params, self.dparams, state, jnp.int32(n_steps), jnp.asarray(exit_on_finish), jnp.asarray(False))
         state, steps = self._get("chunk", _run_chunk, static, (2,), *args)(*args)
         return state, int(steps)
 
@@ -295,6 +350,8 @@ class SlotEngine:
                         self.timing_verified.setdefault(b, {})[k] = verified
             log(f"bucket {b}: " + ", ".join(f"K={k} {c * 1e3:.2f} ms" for k, c in self.step_costs.get(b, {}).items()))
         self.compiled.warm = True
-        log(f"warm-up: {len(self.compiled)} compiled functions in {time.perf_counter() - t0:.1f} s "
-            f"({self.compile_seconds:.1f} s compiling)")
+        log(
+            f"warm-up: {len(self.compiled)} compiled functions in {time.perf_counter() - t0:.1f} s "
+            f"({self.compile_seconds:.1f} s compiling)"
+        )
         return self.step_costs

@@ -119,9 +119,24 @@ def _is_stop(tokens, stop_ids):
     return jnp.any(tokens[:, :, None] == stop_ids[:, None, :], axis=-1)
 
 
-def init_state(dparams, cache, last_logits, prompt, prompt_len, features, final_hidden, samp: SamplingArrays,
-               max_new, stop_ids, seed, *, drafter: Drafter, all_greedy: bool, stat_width: int,
-               policy: RowPolicy | None = None) -> LoopState:
+def init_state(
+    dparams,
+    cache,
+    last_logits,
+    prompt,
+    prompt_len,
+    features,
+    final_hidden,
+    samp: SamplingArrays,
+    max_new,
+    stop_ids,
+    seed,
+    *,
+    drafter: Drafter,
+    all_greedy: bool,
+    stat_width: int,
+    policy: RowPolicy | None = None,
+) -> LoopState:
     """The loop state after the prefill.
 
     Args:
@@ -179,10 +194,12 @@ def new_pending(drafter: Drafter, b: int, features, final_hidden) -> Pending:
     """No deferred steps; buffers shaped after the prefill's features `[n, B, T, D]` and final
     hidden state `[B, T, D]` (None when the drafter reads none)."""
     w = drafter.accept_width + 1
-    feats = None if features is None else jnp.zeros(features.shape[:2] + (w, features.shape[3]),
-                                                    features.dtype)  # [n, B, K+1, D]
-    final = None if final_hidden is None else jnp.zeros((b, w, final_hidden.shape[2]),
-                                                        final_hidden.dtype)  # [B, K+1, D]
+    feats = (
+        None if features is None else jnp.zeros(features.shape[:2] + (w, features.shape[3]), features.dtype)
+    )  # [n, B, K+1, D]
+    final = (
+        None if final_hidden is None else jnp.zeros((b, w, final_hidden.shape[2]), final_hidden.dtype)
+    )  # [B, K+1, D]
     return Pending(jnp.zeros((b,), jnp.int32), feats, final)
 
 
@@ -190,17 +207,21 @@ def defer(pend: Pending, n_emit, features, final_hidden) -> Pending:
     """Add a step's emitted tokens to `pend`: n_emit [B] tokens each row added to the history (0
     when not running), features [n, B, K + 1, D] / final_hidden [B, K + 1, D] the step's target states
     (position j emitted token j). The caller keeps count + n_emit <= K + 1."""
+
     def put(buf, new, axis):  # buf, new [..., B, K+1, D]: slot count + j of a row gets new position j
         src = jnp.arange(buf.shape[axis])[None] - pend.count[:, None]  # [B, K+1]
         take = (src >= 0) & (src < n_emit[:, None])  # [B, K+1]
         shape = (1,) * (buf.ndim - 3) + src.shape + (1,)
-        moved = jnp.take_along_axis(new, jnp.broadcast_to(jnp.clip(src, 0, buf.shape[axis] - 1).reshape(shape),
-                                                          new.shape), axis=axis)  # like buf
+        moved = jnp.take_along_axis(
+            new, jnp.broadcast_to(jnp.clip(src, 0, buf.shape[axis] - 1).reshape(shape), new.shape), axis=axis
+        )  # like buf
         return jnp.where(take.reshape(shape), moved, buf)
 
-    return pend.replace(count=pend.count + n_emit,
-                        features=None if pend.features is None else put(pend.features, features, 2),
-                        final_hidden=None if pend.final_hidden is None else put(pend.final_hidden, final_hidden, 1))
+    return pend.replace(
+        count=pend.count + n_emit,
+        features=None if pend.features is None else put(pend.features, features, 2),
+        final_hidden=None if pend.final_hidden is None else put(pend.final_hidden, final_hidden, 1),
+    )
 
 
 def catch_up(drafter: Drafter, dparams, dstate, pend: Pending, history, hist_len):
@@ -209,8 +230,7 @@ def catch_up(drafter: Drafter, dparams, dstate, pend: Pending, history, hist_len
     w = drafter.accept_width + 1
     idx = hist_len[:, None] - pend.count[:, None] + jnp.arange(w)[None]  # [B, K+1]
     tokens = jnp.take_along_axis(history, jnp.clip(idx, 0, history.shape[1] - 1), axis=1)  # [B, K+1]
-    ctx = CommitContext(pend.count - 1, tokens, history, hist_len, pend.count > 0, pend.features,
-                        pend.final_hidden)
+    ctx = CommitContext(pend.count - 1, tokens, history, hist_len, pend.count > 0, pend.features, pend.final_hidden)
     return drafter.catch_up(dparams, dstate, ctx), pend.replace(count=jnp.zeros_like(pend.count))
 
 
@@ -234,27 +254,36 @@ def draft(drafter: Drafter, dparams, st: LoopState, pl: StepPlan, all_greedy: bo
     proposes (XLA copies a buffer into a conditional whose two branches both write it; here the
     other branch passes the state through). Returns (Proposal, drafter state, Pending or None)."""
     policed = st.policy is not None
-    ctx = StepContext(st.history, st.hist_len, st.sampling, pl.draft_seeds, all_greedy, pl.on, pl.force_verify,
-                      st.policy.costs if policed else None)
+    ctx = StepContext(
+        st.history,
+        st.hist_len,
+        st.sampling,
+        pl.draft_seeds,
+        all_greedy,
+        pl.on,
+        pl.force_verify,
+        st.policy.costs if policed else None,
+    )
     if not (policed and drafter.proposal_optional):
         return (*drafter.propose(dparams, st.draft_state, ctx), st.pending)
     drafting = jnp.any(pl.on) | pl.force_verify  # []
     shapes = jax.eval_shape(drafter.propose, dparams, st.draft_state, ctx)
     idle = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[0])  # draft [B, K] 0, inactive
     if not defers_commits(drafter, st.policy):
-        proposal, dstate = jax.lax.cond(drafting, lambda: drafter.propose(dparams, st.draft_state, ctx),
-                                        lambda: (idle, st.draft_state))
+        proposal, dstate = jax.lax.cond(
+            drafting, lambda: drafter.propose(dparams, st.draft_state, ctx), lambda: (idle, st.draft_state)
+        )
         return proposal, dstate, st.pending
     pending = st.pending
 
     def start():
         dst, pend = catch_up(drafter, dparams, st.draft_state, pending, st.history, st.hist_len)
-        return jax.lax.cond(drafting, lambda: (*drafter.propose(dparams, dst, ctx), pend),
-                            lambda: (idle, dst, pend))
+        return jax.lax.cond(drafting, lambda: (*drafter.propose(dparams, dst, ctx), pend), lambda: (idle, dst, pend))
 
     # Catch up before proposing, or when a plain step would overfill `pending`.
-    return jax.lax.cond(drafting | jnp.any(pending.count > drafter.accept_width), start,
-                        lambda: (idle, st.draft_state, pending))
+    return jax.lax.cond(
+        drafting | jnp.any(pending.count > drafter.accept_width), start, lambda: (idle, st.draft_state, pending)
+    )
 
 
 def schedule(drafter: Drafter, proposal: Proposal, pl: StepPlan, policed: bool) -> Verification:
@@ -293,8 +322,16 @@ def schedule(drafter: Drafter, proposal: Proposal, pl: StepPlan, policed: bool) 
     return Verification(tokens_in, masked, q, own, branch)
 
 
-def verify(model, drafter: Drafter, ver: Verification, cache: KVCache, samp: SamplingArrays, seeds,
-           all_greedy: bool, implementation: str) -> PassOutput:
+def verify(
+    model,
+    drafter: Drafter,
+    ver: Verification,
+    cache: KVCache,
+    samp: SamplingArrays,
+    seeds,
+    all_greedy: bool,
+    implementation: str,
+) -> PassOutput:
     """Stage 4: the target's pass over `ver.tokens_in` and the accept step, K + 1 wide.
 
     The pass reads the cache and returns its new keys and values unwritten (`commit` writes them
@@ -339,8 +376,9 @@ def verify(model, drafter: Drafter, ver: Verification, cache: KVCache, samp: Sam
         mask = ancestor_mask(par)  # [B, N+1, N+1]
         positions = cache.lengths[:, None] + jnp.sum(mask, axis=-1) - 1  # [B, N+1]
         h, new_kv, features = model.hidden_kv(tokens_in, cache, layers, positions=positions, mask=mask)
-        n, emitted, path = accept(model.logits(h), draft, None, samp, seeds, all_greedy, implementation,
-                                  parents=ver.accept_parents, width=k)  # [B], [B, K+1], [B, K]
+        n, emitted, path = accept(
+            model.logits(h), draft, None, samp, seeds, all_greedy, implementation, parents=ver.accept_parents, width=k
+        )  # [B], [B, K+1], [B, K]
         rows = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.maximum(path, -1) + 1], axis=1)  # [B, K+1]
         features = None if features is None else jnp.take_along_axis(features, rows[None, :, :, None], axis=2)
         final = jnp.take_along_axis(h, rows[:, :, None], axis=1) if drafter.needs_final_hidden else None
@@ -349,8 +387,11 @@ def verify(model, drafter: Drafter, ver: Verification, cache: KVCache, samp: Sam
     args = (ver.tokens_in, ver.draft, ver.q, cache, seeds)
     if ver.branch is None:  # K = 0 (plain decoding), or one listed length and nothing to gate
         return chain_pass(k, *args)
-    passes = ([plain_pass, tree_pass] if ver.parents is not None else
-              [plain_pass] + [partial(chain_pass, x) for x in drafter.verify_lengths])
+    passes = (
+        [plain_pass, tree_pass]
+        if ver.parents is not None
+        else [plain_pass] + [partial(chain_pass, x) for x in drafter.verify_lengths]
+    )
     return jax.lax.switch(ver.branch, passes, *args)
 
 
@@ -374,8 +415,20 @@ def truncate(st: LoopState, out: PassOutput, live):
     return n_emit, history, hist_len, stopped, done
 
 
-def commit(drafter: Drafter, dparams, dstate, pending, lazy: bool, cache: KVCache, out: PassOutput,
-           ver: Verification, live, n_emit, history, hist_len):
+def commit(
+    drafter: Drafter,
+    dparams,
+    dstate,
+    pending,
+    lazy: bool,
+    cache: KVCache,
+    out: PassOutput,
+    ver: Verification,
+    live,
+    n_emit,
+    history,
+    hist_len,
+):
     """Stage 6: write the pass's K + 1 positions into the target cache at its lengths and advance
     each live row by n + 1 (rejected positions roll back by not advancing); then the drafter's
     commit, deferred into `pending` when `lazy` (static, `defers_commits`), over the emitted width
@@ -392,11 +445,20 @@ def commit(drafter: Drafter, dparams, dstate, pending, lazy: bool, cache: KVCach
         return cache, dstate, defer(pending, n_emit, out.features, out.final_hidden)  # caught up later
     if drafter.narrow_commit and ver.branch is not None:
         # A plain step emits one token a row: commit over that position alone, not K + 1.
-        narrow = CommitContext(out.n, out.emitted[:, :1], history, hist_len, live,
-                               None if out.features is None else out.features[:, :, :1],
-                               None if out.final_hidden is None else out.final_hidden[:, :1])
-        dstate = jax.lax.cond(ver.branch == 0, lambda: drafter.commit(dparams, dstate, narrow),
-                              lambda: drafter.commit(dparams, dstate, ctx))
+        narrow = CommitContext(
+            out.n,
+            out.emitted[:, :1],
+            history,
+            hist_len,
+            live,
+            None if out.features is None else out.features[:, :, :1],
+            None if out.final_hidden is None else out.final_hidden[:, :1],
+        )
+        dstate = jax.lax.cond(
+            ver.branch == 0,
+            lambda: drafter.commit(dparams, dstate, narrow),
+            lambda: drafter.commit(dparams, dstate, ctx),
+        )
         return cache, dstate, pending
     return cache, drafter.commit(dparams, dstate, ctx), pending
 
@@ -411,13 +473,17 @@ def stats(st: LoopState, pl: StepPlan, ver: Verification, out: PassOutput, n_emi
     pol = st.policy
     if pol is not None and k > 0:
         pol = policy_update(pol, pl.on, st.steps, ver.own, jnp.sum(checked, axis=1), jnp.sum(hit, axis=1))
-    off_chain = st.off_chain if ver.chain is None else st.off_chain + jnp.any(
-        hit[:, :k] & (out.emitted[:, :k] != ver.chain), axis=1)  # [B]
+    off_chain = (
+        st.off_chain
+        if ver.chain is None
+        else st.off_chain + jnp.any(hit[:, :k] & (out.emitted[:, :k] != ver.chain), axis=1)
+    )  # [B]
     return st.checked + checked, st.accepted + hit, off_chain, pol
 
 
-def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: bool,
-                implementation: str, force_verify=False) -> LoopState:
+def decode_step(
+    model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: bool, implementation: str, force_verify=False
+) -> LoopState:
     """One plan -> draft -> verify -> truncate -> commit -> stats step over every row (done rows
     write nothing).
 
@@ -442,14 +508,27 @@ def decode_step(model, dparams, st: LoopState, *, drafter: Drafter, all_greedy: 
         ver = schedule(drafter, proposal, pl, st.policy is not None)
     else:
         dstate, pending = st.draft_state, st.pending
-        ver = Verification(pl.last, jnp.zeros((pl.last.shape[0], 0), jnp.int32), None,
-                           jnp.zeros_like(st.hist_len), None)
+        ver = Verification(
+            pl.last, jnp.zeros((pl.last.shape[0], 0), jnp.int32), None, jnp.zeros_like(st.hist_len), None
+        )
     out = verify(model, drafter, ver, st.cache, st.sampling, pl.verify_seeds, all_greedy, implementation)
     n_emit, history, hist_len, stopped, done = truncate(st, out, pl.live)
     lazy = defers_commits(drafter, st.policy if k > 0 else None)
-    cache, dstate, pending = commit(drafter, dparams, dstate, pending, lazy, st.cache, out, ver, pl.live, n_emit,
-                                    history, hist_len)
+    cache, dstate, pending = commit(
+        drafter, dparams, dstate, pending, lazy, st.cache, out, ver, pl.live, n_emit, history, hist_len
+    )
     checked, accepted, off_chain, policy = stats(st, pl, ver, out, n_emit, k)
-    return st.replace(policy=policy, pending=pending, cache=cache, draft_state=dstate, history=history,
-                      hist_len=hist_len, done=done, stopped=stopped, steps=st.steps + pl.live, checked=checked,
-                      accepted=accepted, off_chain=off_chain)
+    return st.replace(
+        policy=policy,
+        pending=pending,
+        cache=cache,
+        draft_state=dstate,
+        history=history,
+        hist_len=hist_len,
+        done=done,
+        stopped=stopped,
+        steps=st.steps + pl.live,
+        checked=checked,
+        accepted=accepted,
+        off_chain=off_chain,
+    )

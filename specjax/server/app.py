@@ -52,21 +52,37 @@ from specjax.server.metrics import CONTENT_TYPE
 from specjax.server.scheduler import Request, Scheduler
 
 UNSUPPORTED = {  # field -> value that means "off" (anything else is refused, not ignored)
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None,), "tools": (None,), "functions": (None,), "response_format": (None,),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None,),
+    "tools": (None,),
+    "functions": (None,),
+    "response_format": (None,),
 }
 
 
 class ApiError(Exception):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        status: int = 400,
+        type: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+        return JSONResponse(
+            {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}},
+            status_code=self.status,
+        )
 
 
 # ---- request parsing ---------------------------------------------------------------------------
@@ -117,17 +133,23 @@ def parse_sampling(body: dict, default_max: int | None) -> tuple[SamplingParams,
     if not isinstance(ignore_eos, bool):
         raise ApiError("'ignore_eos' must be a boolean", "ignore_eos")
     given = max_tokens is not None
-    sp = SamplingParams(temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
-                        max_new_tokens=max_tokens if given else max(default_max or 1, 1),
-                        seed=None if seed is None else seed % 2**32, ignore_eos=ignore_eos)
+    sp = SamplingParams(
+        temperature=temperature,
+        top_k=max(top_k, 0),
+        top_p=top_p,
+        max_new_tokens=max_tokens if given else max(default_max or 1, 1),
+        seed=None if seed is None else seed % 2**32,
+        ignore_eos=ignore_eos,
+    )
     return sp, stops, given
 
 
 def _text_of(content, where: str) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
     raise ApiError(f"{where}: 'content' must be a string or a list of text parts", "messages")
 
@@ -191,7 +213,7 @@ class TextStream:
             hold = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
             text = text[: max(len(text) - hold, len(self.sent))]  # could be the start of a stop string
         # Text already sent stays sent (byte-level BPE decoding only appends, so this is exact).
-        delta = text[len(self.sent):] if len(text) > len(self.sent) else ""
+        delta = text[len(self.sent) :] if len(text) > len(self.sent) else ""
         self.sent += delta
         self.stopped = hit
         return delta, hit
@@ -211,8 +233,9 @@ class Api:
     async def read_body(self, request: HttpRequest) -> bytes:
         """The request body, refused (413) beyond `max_request_bytes` before it is all read."""
         limit = self.cfg.max_request_bytes
-        too_big = ApiError(f"request body larger than this server's limit of {limit} bytes", code="request_too_large",
-                           status=413)
+        too_big = ApiError(
+            f"request body larger than this server's limit of {limit} bytes", code="request_too_large", status=413
+        )
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
             raise too_big
@@ -230,8 +253,9 @@ class Api:
         except UnicodeDecodeError:
             raise ApiError("request body is not UTF-8 text", code="invalid_json") from None
         except json.JSONDecodeError as e:
-            raise ApiError(f"malformed JSON body: {e.msg} (line {e.lineno}, column {e.colno})",
-                           code="invalid_json") from None
+            raise ApiError(
+                f"malformed JSON body: {e.msg} (line {e.lineno}, column {e.colno})", code="invalid_json"
+            ) from None
         except RecursionError:
             raise ApiError("JSON body nested too deeply", code="invalid_json") from None
         except ValueError as e:  # e.g. an integer of more digits than Python converts
@@ -242,16 +266,19 @@ class Api:
         if not isinstance(model, str) or not model:
             raise ApiError("'model' is required (see GET /v1/models)", "model")
         if model != self.name:
-            raise ApiError(f"model {short_repr(model)} is not served here; available: {self.name!r}", "model",
-                           "model_not_found")
+            raise ApiError(
+                f"model {short_repr(model)} is not served here; available: {self.name!r}", "model", "model_not_found"
+            )
         return body
 
     def latency_class(self, request: HttpRequest, body: dict) -> str:
         cls = body.get("latency_class")
         if cls is not None:
             if cls not in LATENCY_CLASSES:
-                raise ApiError(f"'latency_class' must be one of {', '.join(LATENCY_CLASSES)}, got {short_repr(cls)}",
-                               "latency_class")
+                raise ApiError(
+                    f"'latency_class' must be one of {', '.join(LATENCY_CLASSES)}, got {short_repr(cls)}",
+                    "latency_class",
+                )
             return cls
         auth = request.headers.get("authorization", "")
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
@@ -262,12 +289,19 @@ class Api:
     def make_request(self, request, body, ids: list[int], sp: SamplingParams, given: bool) -> Request:
         ctx = self.sched.engine.max_seq_len
         if len(ids) >= ctx:
-            raise ApiError(f"the prompt has {len(ids)} tokens; this server's context is {ctx} tokens",
-                           "messages" if "messages" in body else "prompt", "context_length_exceeded")
+            raise ApiError(
+                f"the prompt has {len(ids)} tokens; this server's context is {ctx} tokens",
+                "messages" if "messages" in body else "prompt",
+                "context_length_exceeded",
+            )
         if len(ids) + sp.max_new_tokens > ctx:
             if given:
-                raise ApiError(f"prompt of {len(ids)} tokens + max_tokens {sp.max_new_tokens} exceeds this "
-                               f"server's context of {ctx} tokens", "max_tokens", "context_length_exceeded")
+                raise ApiError(
+                    f"prompt of {len(ids)} tokens + max_tokens {sp.max_new_tokens} exceeds this "
+                    f"server's context of {ctx} tokens",
+                    "max_tokens",
+                    "context_length_exceeded",
+                )
             sp = dataclasses.replace(sp, max_new_tokens=ctx - len(ids))
         return Request(ids, sp, self.latency_class(request, body))
 
@@ -331,14 +365,16 @@ class Api:
                 raise
             except Exception as e:  # a chat template that rejects these messages; a tokenizer failure
                 what = "cannot apply the chat template" if chat else "cannot tokenize the prompt"
-                raise ApiError(f"{what}: {type(e).__name__}: {first_line(e)}",
-                               "messages" if chat else "prompt") from None
+                raise ApiError(
+                    f"{what}: {type(e).__name__}: {first_line(e)}", "messages" if chat else "prompt"
+                ) from None
             return self.make_request(request, body, ids, sp, given), stream, bool(opts.get("include_usage")), stops
         except RecursionError:
             raise ApiError("request nested too deeply", code="invalid_json") from None
 
-    async def _events(self, request: HttpRequest, req: Request, queue: asyncio.Queue, text: TextStream,
-                      poll_disconnect: bool):
+    async def _events(
+        self, request: HttpRequest, req: Request, queue: asyncio.Queue, text: TextStream, poll_disconnect: bool
+    ):
         """(delta text, finish_reason or None) until the request ends; cancels it on disconnect or
         a stop string. Streaming responses do not poll: Starlette cancels their generator when
         the client goes away (its `finally` cancels the request)."""
@@ -374,8 +410,12 @@ class Api:
 
     def usage(self, req: Request, text: TextStream) -> dict:
         n_out = len(text.ids)
-        return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": n_out,
-                "total_tokens": len(req.prompt_ids) + n_out, "specjax": req.stats(self.sched.engine.drafter_name)}
+        return {
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": n_out,
+            "total_tokens": len(req.prompt_ids) + n_out,
+            "specjax": req.stats(self.sched.engine.drafter_name),
+        }
 
     async def _complete(self, request, req, queue, text, meta, chat) -> Response:
         parts, finish = [], None
@@ -432,8 +472,12 @@ class Api:
         card = {"id": self.name, "object": "model", "created": self.created, "owned_by": "specjax"}
         if "model_id" in request.path_params:
             if request.path_params["model_id"] != self.name:
-                return ApiError(f"model {request.path_params['model_id']!r} is not served here", "model",
-                                "model_not_found", status=404).response()
+                return ApiError(
+                    f"model {request.path_params['model_id']!r} is not served here",
+                    "model",
+                    "model_not_found",
+                    status=404,
+                ).response()
             return JSONResponse(card)
         return JSONResponse({"object": "list", "data": [card]})
 
@@ -442,9 +486,15 @@ class Api:
 
     async def health(self, request: HttpRequest) -> Response:
         ok = self.sched.alive
-        body = {"status": "ok" if ok else "unavailable", "model": self.name, "running": sum(
-            r is not None for r in self.sched.slots), "queued": self.sched.queue_depth(), "k": self.sched.k,
-            "bucket": self.sched.bucket, "speculation": self.sched.monitor.snapshot()}
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "model": self.name,
+            "running": sum(r is not None for r in self.sched.slots),
+            "queued": self.sched.queue_depth(),
+            "k": self.sched.k,
+            "bucket": self.sched.bucket,
+            "speculation": self.sched.monitor.snapshot(),
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def decisions(self, request: HttpRequest) -> Response:
@@ -458,23 +508,30 @@ def build_app(sched: Scheduler, model, served_name: str) -> Starlette:
         async def h(request):
             request.scope["specjax_class"] = cls
             return await handler(request)
+
         return h
 
     routes = [
-        Route("/health", api.health), Route("/metrics", api.metrics), Route("/specjax/decisions", api.decisions),
-        Route("/v1/models", api.models), Route("/v1/models/{model_id:path}", api.models),
+        Route("/health", api.health),
+        Route("/metrics", api.metrics),
+        Route("/specjax/decisions", api.decisions),
+        Route("/v1/models", api.models),
+        Route("/v1/models/{model_id:path}", api.models),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
     ]
     for cls in LATENCY_CLASSES:
-        routes += [Route(f"/{cls}/v1/completions", with_class(api.completions, cls), methods=["POST"]),
-                   Route(f"/{cls}/v1/chat/completions", with_class(api.chat, cls), methods=["POST"]),
-                   Route(f"/{cls}/v1/models", api.models)]
+        routes += [
+            Route(f"/{cls}/v1/completions", with_class(api.completions, cls), methods=["POST"]),
+            Route(f"/{cls}/v1/chat/completions", with_class(api.chat, cls), methods=["POST"]),
+            Route(f"/{cls}/v1/models", api.models),
+        ]
 
     async def http_error(request, exc: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return ApiError(f"{request.method} {request.url.path}: {exc.detail}", code=code,
-                        status=exc.status_code).response()
+        return ApiError(
+            f"{request.method} {request.url.path}: {exc.detail}", code=code, status=exc.status_code
+        ).response()
 
     async def internal_error(request, exc: Exception):
         return ApiError(f"internal error: {type(exc).__name__}: {exc}", status=500, type="server_error").response()

@@ -162,29 +162,42 @@ class ServingMetrics:
     def __init__(self):
         r = self.registry = Registry()
         self.steps = Counter(r, "specjax_steps_total", "Decode steps run, by K (0 = plain)", ("k",))
-        self.draft_tokens = Counter(r, "specjax_draft_tokens_total", "Draft tokens checked by the target",
-                                    ("class",))
-        self.accepted = Counter(r, "specjax_accepted_tokens_total", "Accepted draft tokens by draft position",
-                                ("position",))
+        self.draft_tokens = Counter(r, "specjax_draft_tokens_total", "Draft tokens checked by the target", ("class",))
+        self.accepted = Counter(
+            r, "specjax_accepted_tokens_total", "Accepted draft tokens by draft position", ("position",)
+        )
         self.generated = Counter(r, "specjax_generated_tokens_total", "Generated tokens", ("class",))
-        self.requests = Counter(r, "specjax_requests_total", "Requests by latency class and outcome",
-                                ("class", "status"))
+        self.requests = Counter(
+            r, "specjax_requests_total", "Requests by latency class and outcome", ("class", "status")
+        )
         self.preemptions = Counter(r, "specjax_preemptions_total", "Batch rows parked for interactive requests")
-        self.switches = Counter(r, "specjax_speculation_switches_total", "Acceptance-monitor fallback switches",
-                                ("class", "to"))
-        self.mal = Gauge(r, "specjax_mean_accepted_length", "Rolling mean accepted length (speculative steps)",
-                         ("class", "drafter"))
+        self.switches = Counter(
+            r, "specjax_speculation_switches_total", "Acceptance-monitor fallback switches", ("class", "to")
+        )
+        self.mal = Gauge(
+            r, "specjax_mean_accepted_length", "Rolling mean accepted length (speculative steps)", ("class", "drafter")
+        )
         self.acceptance = Gauge(r, "specjax_acceptance_rate", "Rolling acceptance rate", ("class", "drafter"))
-        self.spec_enabled = Gauge(r, "specjax_speculation_enabled", "1 when speculation is on for the class",
-                                  ("class",))
+        self.spec_enabled = Gauge(
+            r, "specjax_speculation_enabled", "1 when speculation is on for the class", ("class",)
+        )
         self.queue = Gauge(r, "specjax_queue_depth", "Queued requests (parked rows included)", ("class",))
         self.running = Gauge(r, "specjax_running_batch", "Rows in the running batch", ("class",))
         self.bucket = Gauge(r, "specjax_batch_bucket", "Batch-size bucket of the running batch")
         self.num_draft = Gauge(r, "specjax_num_draft", "K in use (draft tokens per step) in the last chunk")
-        self.step_seconds = Gauge(r, "specjax_step_seconds", "Seconds per step of the last chunk run at this "
-                                  "bucket and K (the policy's table: specjax_expected_step_seconds)", ("bucket", "k"))
-        self.expected_step = Gauge(r, "specjax_expected_step_seconds", "Step cost the policy uses (warm-up or "
-                                   "config table, calibrated live)", ("bucket", "k"))
+        self.step_seconds = Gauge(
+            r,
+            "specjax_step_seconds",
+            "Seconds per step of the last chunk run at this "
+            "bucket and K (the policy's table: specjax_expected_step_seconds)",
+            ("bucket", "k"),
+        )
+        self.expected_step = Gauge(
+            r,
+            "specjax_expected_step_seconds",
+            "Step cost the policy uses (warm-up or config table, calibrated live)",
+            ("bucket", "k"),
+        )
         self.ttft = Histogram(r, "specjax_time_to_first_token_seconds", "Time to first token", ("class",))
         self.itl = Histogram(r, "specjax_inter_token_latency_seconds", "Inter-token latency", ("class",))
 

@@ -89,15 +89,25 @@ class Request:
             "steps_by_k": {str(k): n for k, n in sorted(self.k_steps.items())},
             "queue_seconds": (self.admitted or self.arrival) - self.arrival,
             "time_to_first_token": (self.first_token_time - self.arrival) if self.first_token_time else None,
-            "inter_token_latency": ((self.last_emit - self.first_token_time) / (len(self.token_ids) - 1)
-                                    if len(self.token_ids) > 1 else None),
+            "inter_token_latency": (
+                (self.last_emit - self.first_token_time) / (len(self.token_ids) - 1)
+                if len(self.token_ids) > 1
+                else None
+            ),
             "preemptions": self.preemptions,
         }
 
 
 class Scheduler:
-    def __init__(self, engine: SlotEngine, cfg: ServingConfig, eos_ids=(), metrics: ServingMetrics | None = None,
-                 log: DecisionLog | None = None, k_override: Callable[[int, dict], int] | None = None):
+    def __init__(
+        self,
+        engine: SlotEngine,
+        cfg: ServingConfig,
+        eos_ids=(),
+        metrics: ServingMetrics | None = None,
+        log: DecisionLog | None = None,
+        k_override: Callable[[int, dict], int] | None = None,
+    ):
         """`k_override(bucket, rows_per_class) -> K` replaces the policy (experiments, tests)."""
         self.engine, self.cfg = engine, cfg
         self.eos_ids = tuple(eos_ids)
@@ -106,8 +116,13 @@ class Scheduler:
         table = cfg.costs_table()
         self.costs = StepCosts(table, "config") if table else StepCosts(engine.step_costs, "warm-up")
         self.policy = Policy(cfg, self.costs, engine.ks, engine.accept_widths)
-        self.monitor = AcceptanceMonitor(cfg.monitor, LATENCY_CLASSES, engine.drafter_name, self.log,
-                                         enabled=cfg.policy in ("rules", "schedule") and engine.kmax > 0)
+        self.monitor = AcceptanceMonitor(
+            cfg.monitor,
+            LATENCY_CLASSES,
+            engine.drafter_name,
+            self.log,
+            enabled=cfg.policy in ("rules", "schedule") and engine.kmax > 0,
+        )
         self.k_override = k_override
         self.buckets = tuple(b for b in engine.buckets if b in cfg.buckets)
         if not self.buckets:
@@ -143,8 +158,10 @@ class Scheduler:
         stops = tuple(req.sampling.stop_token_ids) + (() if req.sampling.ignore_eos else self.eos_ids)
         req.stop_ids = tuple(dict.fromkeys(stops))[:STOP_WIDTH]
         if len(req.prompt_ids) + req.sampling.max_new_tokens > self.engine.max_seq_len:
-            raise ValueError(f"prompt of {len(req.prompt_ids)} tokens + max_tokens {req.sampling.max_new_tokens} "
-                             f"exceeds the context of {self.engine.max_seq_len} tokens")
+            raise ValueError(
+                f"prompt of {len(req.prompt_ids)} tokens + max_tokens {req.sampling.max_new_tokens} "
+                f"exceeds the context of {self.engine.max_seq_len} tokens"
+            )
         req.arrival = time.perf_counter()
         with self._cv:
             if self.failure:
@@ -187,8 +204,7 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._cancel and not any(self._queues.values()) \
-                        and not any(self.slots):
+                while not self._stop and not self._cancel and not any(self._queues.values()) and not any(self.slots):
                     self._cv.wait(0.5)
                 if self._stop:
                     break
@@ -231,8 +247,9 @@ class Scheduler:
             # is better taken when the batch is smaller.
             good = Estimate(1.0, [self.cfg.monitor.probe_acceptance] * width, 0)
             cheap = self.policy.best_gain(good, self.bucket)[0] >= self.cfg.monitor.probe_gain
-            new = tuple(c for c in LATENCY_CLASSES
-                        if rows.get(c) and cheap and self.monitor.probe_due(c, self.steps, d.k == 0))
+            new = tuple(
+                c for c in LATENCY_CLASSES if rows.get(c) and cheap and self.monitor.probe_due(c, self.steps, d.k == 0)
+            )
             probing = tuple(c for c in LATENCY_CLASSES if rows.get(c) and self.monitor.probing(c)) + new
             if probing:
                 d = self.policy.choose(self.bucket, rows, queued, est, spec_on, probing, self.k)
@@ -240,16 +257,30 @@ class Scheduler:
                 for c in new:
                     self.monitor.start_probe(c, self.steps, d.k, n_steps)
             k, reason = d.k, d.reason
-            if (k > 0 and not probing and self.cfg.policy == "rules" and self.cfg.calibrate_costs
-                    and self.cfg.cost_refresh_chunks
-                    and self.costs.stale(self.bucket, 0, self.cfg.cost_refresh_chunks)):
-                reason = (f"plain chunk to time K=0 at bucket {self.bucket} (not timed in the last "
-                          f"{self.cfg.cost_refresh_chunks} chunks; every K > 0 is priced against it); "
-                          f"the policy chose K={k}: {reason}")
+            if (
+                k > 0
+                and not probing
+                and self.cfg.policy == "rules"
+                and self.cfg.calibrate_costs
+                and self.cfg.cost_refresh_chunks
+                and self.costs.stale(self.bucket, 0, self.cfg.cost_refresh_chunks)
+            ):
+                reason = (
+                    f"plain chunk to time K=0 at bucket {self.bucket} (not timed in the last "
+                    f"{self.cfg.cost_refresh_chunks} chunks; every K > 0 is priced against it); "
+                    f"the policy chose K={k}: {reason}"
+                )
                 k = 0
         if k != self.k:
-            self.log.add("k", f"K {self.k} -> {k}: {reason}", k=k, previous=self.k, bucket=self.bucket,
-                         rows=sum(rows.values()), step=self.steps)
+            self.log.add(
+                "k",
+                f"K {self.k} -> {k}: {reason}",
+                k=k,
+                previous=self.k,
+                bucket=self.bucket,
+                rows=sum(rows.values()),
+                step=self.steps,
+            )
         self.k = k
         self.metrics.num_draft.set(k)
         return k, n_steps
@@ -274,12 +305,20 @@ class Scheduler:
             if req is None:
                 continue
             seen = req.seen
-            d = AcceptanceStats(int(steps[slot] - seen["steps"]), int(hist_len[slot] - seen["hist_len"]),
-                       int(checked[slot, 0] - seen["checked"][0]), checked[slot] - seen["checked"],
-                       accepted[slot] - seen["accepted"])
-            new = history[slot, seen["hist_len"]: hist_len[slot]].tolist()
-            req.seen = {"steps": int(steps[slot]), "hist_len": int(hist_len[slot]), "checked": checked[slot].copy(),
-                        "accepted": accepted[slot].copy()}
+            d = AcceptanceStats(
+                int(steps[slot] - seen["steps"]),
+                int(hist_len[slot] - seen["hist_len"]),
+                int(checked[slot, 0] - seen["checked"][0]),
+                checked[slot] - seen["checked"],
+                accepted[slot] - seen["accepted"],
+            )
+            new = history[slot, seen["hist_len"] : hist_len[slot]].tolist()
+            req.seen = {
+                "steps": int(steps[slot]),
+                "hist_len": int(hist_len[slot]),
+                "checked": checked[slot].copy(),
+                "accepted": accepted[slot].copy(),
+            }
             req.run_steps += d.steps
             verify_steps = max(verify_steps, d.verified)
             req.sample.add(d)
@@ -312,8 +351,10 @@ class Scheduler:
                 gain, best_k = self.policy.best_gain(est, b)
                 gain_on = self.policy.best_gain(est.lower(self.cfg.confidence_z), b)[0]
                 on = self.monitor.spec_on(c)
-                detail = (f"MAL({best_k}) {self.policy.mal(est, best_k):.2f}, verified {est.verified:.2f}, step cost "
-                          f"K={best_k}/K=0 {self.costs.cost(b, best_k) / self.costs.cost(b, 0):.2f} at B={b}")
+                detail = (
+                    f"MAL({best_k}) {self.policy.mal(est, best_k):.2f}, verified {est.verified:.2f}, step cost "
+                    f"K={best_k}/K=0 {self.costs.cost(b, best_k) / self.costs.cost(b, 0):.2f} at B={b}"
+                )
                 self.monitor.evaluate(c, gain, detail, self.steps, gain_on)
                 if self.monitor.spec_on(c) != on:
                     self.metrics.switches.inc(**label, to="on" if not on else "off")
@@ -397,8 +438,12 @@ class Scheduler:
                 return
             plen = len(req.prompt_ids)
             first = int(np.asarray(row.history)[0, plen])
-            req.seen = {"steps": 0, "hist_len": plen + 1, "checked": np.zeros(self.engine.stat_width, np.int64),
-                        "accepted": np.zeros(self.engine.stat_width, np.int64)}
+            req.seen = {
+                "steps": 0,
+                "hist_len": plen + 1,
+                "checked": np.zeros(self.engine.stat_width, np.int64),
+                "accepted": np.zeros(self.engine.stat_width, np.int64),
+            }
             self._emit(req, [first], time.perf_counter())
             if bool(np.asarray(row.done)[0]):
                 self._finish(req, "stop" if bool(np.asarray(row.stopped)[0]) else "length")
@@ -417,8 +462,11 @@ class Scheduler:
             parked = sum(r.parked is not None for r in self._queues["batch"])
         if parked >= self.buckets[-1]:
             return None
-        victims = [(i, r) for i, r in enumerate(self.slots)
-                   if r is not None and r.latency_class == "batch" and r.run_steps >= self.cfg.min_run_steps]
+        victims = [
+            (i, r)
+            for i, r in enumerate(self.slots)
+            if r is not None and r.latency_class == "batch" and r.run_steps >= self.cfg.min_run_steps
+        ]
         if not victims:
             return None
         slot, req = max(victims, key=lambda x: x[1].admitted or 0.0)
@@ -428,8 +476,12 @@ class Scheduler:
         self.slots[slot] = None
         self._push_front(req)
         self.metrics.preemptions.inc()
-        self.log.add("preempt", f"batch request {req.id} parked after {req.run_steps} steps to admit an "
-                     f"interactive request (bucket {self.bucket} full)", slot=slot)
+        self.log.add(
+            "preempt",
+            f"batch request {req.id} parked after {req.run_steps} steps to admit an "
+            f"interactive request (bucket {self.bucket} full)",
+            slot=slot,
+        )
         return slot
 
     def _resize(self, bucket: int, why: str) -> None:
@@ -496,9 +548,9 @@ class Scheduler:
         self.metrics.bucket.set(self.bucket)
 
 
-
-def build_scheduler(model, drafter: str | None, cfg: ServingConfig, log=None, measure: bool | None = None,
-                    implementation: str = "auto") -> Scheduler:
+def build_scheduler(
+    model, drafter: str | None, cfg: ServingConfig, log=None, measure: bool | None = None, implementation: str = "auto"
+) -> Scheduler:
     """A warmed-up scheduler for `model` with the drafter spec (`ngram`, `eagle3[:PATH]`, ...).
 
     Every (bucket, K) chunk, insert/extract and prompt bucket is compiled here; step costs are
@@ -507,8 +559,9 @@ def build_scheduler(model, drafter: str | None, cfg: ServingConfig, log=None, me
 
     ks = cfg.ks if (drafter or "none") != "none" else (0,)
     family = make_drafter(drafter, max(ks), model, cfg.tree_topk, cfg.tree_depth) if max(ks) > 0 else None
-    engine = SlotEngine(model, family, ks=ks, buckets=cfg.buckets, max_seq_len=cfg.max_seq_len,
-                        implementation=implementation)
+    engine = SlotEngine(
+        model, family, ks=ks, buckets=cfg.buckets, max_seq_len=cfg.max_seq_len, implementation=implementation
+    )
     if measure is None:
         measure = cfg.costs_table() is None
     engine.warmup(measure=measure, log=log)

@@ -128,8 +128,12 @@ def _progress(total: int, description: str, quiet: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     prog = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=__import__("rich.console").console.Console(file=sys.stderr), transient=True,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=__import__("rich.console").console.Console(file=sys.stderr),
+        transient=True,
     )
     task = prog.add_task(description, total=total)
     return prog, lambda: prog.advance(task)
@@ -150,8 +154,10 @@ def _load_gguf(path: str, quiet: bool) -> tuple[LlamaConfig, dict, Any]:
             shutil.rmtree(cdir, ignore_errors=True)
     writable = _writable_dir(cache_root())
     if not writable:
-        _warn(f"the cache folder {cache_root()} is not writable; converting {os.path.basename(path)} in memory "
-              "for this run (set SPECJAX_CACHE to a writable folder to keep it)")
+        _warn(
+            f"the cache folder {cache_root()} is not writable; converting {os.path.basename(path)} in memory "
+            "for this run (set SPECJAX_CACHE to a writable folder to keep it)"
+        )
     cfg, pure, tok = _convert_gguf(path, quiet)
     if writable:
         try:

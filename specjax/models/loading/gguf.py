@@ -83,8 +83,11 @@ def read_config(reader, path: str) -> LlamaConfig:
         num_layers=int(need(f"{arch}.block_count")),
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length",
-                            _field(reader, f"{arch}.rope.dimension_count", hidden // heads))),
+        head_dim=int(
+            _field(
+                reader, f"{arch}.attention.key_length", _field(reader, f"{arch}.rope.dimension_count", hidden // heads)
+            )
+        ),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in names,

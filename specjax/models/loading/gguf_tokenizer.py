@@ -91,10 +91,12 @@ def _byte_level(meta: dict, tokens: list[str]):
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = decoders.ByteLevel()
     return tok, alphabet
 
@@ -109,9 +111,14 @@ def _sentencepiece(meta: dict, tokens: list[str]):
         merges = _merges_from_scores(tokens, list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([
-        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1),
-    ])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1),
+        ]
+    )
     return tok, None
 
 
@@ -137,8 +144,13 @@ def tokenizer_from_gguf(reader, path: str):
     control = [t for t, ty in zip(tokens, types) if ty == CONTROL and (alphabet is None or set(t) <= alphabet)]
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     vocab = tok.get_vocab()
-    tok.add_tokens([AddedToken(t, normalized=False, special=False)
-                    for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab])
+    tok.add_tokens(
+        [
+            AddedToken(t, normalized=False, special=False)
+            for t, ty in zip(tokens, types)
+            if ty == USER_DEFINED and t in vocab
+        ]
+    )
 
     def token(key):
         i = meta.get(f"tokenizer.ggml.{key}")
@@ -148,12 +160,15 @@ def tokenizer_from_gguf(reader, path: str):
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     if add_bos and bos is not None:
         single, pair = f"{bos}:0 $A:0", f"{bos}:0 $A:0 {bos}:1 $B:1"
-        tok.post_processor = processors.TemplateProcessing(single=single, pair=pair,
-                                                           special_tokens=[(bos, vocab[bos])])
+        tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=[(bos, vocab[bos])])
     else:
         tok.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1")
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=bos, eos_token=eos, unk_token=token("unknown_token_id"),
-        pad_token=token("padding_token_id"), chat_template=meta.get("tokenizer.chat_template"),
+        tokenizer_object=tok,
+        bos_token=bos,
+        eos_token=eos,
+        unk_token=token("unknown_token_id"),
+        pad_token=token("padding_token_id"),
+        chat_template=meta.get("tokenizer.chat_template"),
         clean_up_tokenization_spaces=False,
     )

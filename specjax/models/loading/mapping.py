@@ -41,14 +41,19 @@ def layer_from_hf(cfg: LlamaConfig, fetch, prefix: str, in_dim: int | None = Non
     d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     n, kv, din = cfg.num_heads, cfg.num_kv_heads, in_dim or cfg.hidden_size
     p = prefix
-    qkv = np.concatenate([fetch(p + "self_attn.q_proj.weight", (n * h, din)),
-                          fetch(p + "self_attn.k_proj.weight", (kv * h, din)),
-                          fetch(p + "self_attn.v_proj.weight", (kv * h, din))])
+    qkv = np.concatenate(
+        [
+            fetch(p + "self_attn.q_proj.weight", (n * h, din)),
+            fetch(p + "self_attn.k_proj.weight", (kv * h, din)),
+            fetch(p + "self_attn.v_proj.weight", (kv * h, din)),
+        ]
+    )
     gate_up = np.concatenate([fetch(p + "mlp.gate_proj.weight", (f, d)), fetch(p + "mlp.up_proj.weight", (f, d))])
     attn = {"qkv": qkv, "o": fetch(p + "self_attn.o_proj.weight", (d, n * h))}
     if cfg.attention_bias:
-        attn["qkv_bias"] = np.concatenate([fetch(p + f"self_attn.{x}_proj.bias", (m * h,))
-                                           for x, m in (("q", n), ("k", kv), ("v", kv))])
+        attn["qkv_bias"] = np.concatenate(
+            [fetch(p + f"self_attn.{x}_proj.bias", (m * h,)) for x, m in (("q", n), ("k", kv), ("v", kv))]
+        )
     if cfg.qk_norm:
         attn["q_norm"] = {"scale": fetch(p + "self_attn.q_norm.weight", (h,))}
         attn["k_norm"] = {"scale": fetch(p + "self_attn.k_norm.weight", (h,))}

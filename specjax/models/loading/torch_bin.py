@@ -18,9 +18,16 @@ import numpy as np
 from specjax.errors import ModelLoadError
 
 STORAGE_DTYPES = {
-    "FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
-    "BFloat16Storage": ml_dtypes.bfloat16, "LongStorage": np.int64, "IntStorage": np.int32,
-    "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_,
+    "FloatStorage": np.float32,
+    "DoubleStorage": np.float64,
+    "HalfStorage": np.float16,
+    "BFloat16Storage": ml_dtypes.bfloat16,
+    "LongStorage": np.int64,
+    "IntStorage": np.int32,
+    "ShortStorage": np.int16,
+    "CharStorage": np.int8,
+    "ByteStorage": np.uint8,
+    "BoolStorage": np.bool_,
 }
 
 
@@ -52,8 +59,10 @@ class _Unpickler(pickle.Unpickler):
             return _StorageType(name)
         if module == "collections" and name == "OrderedDict":
             return collections.OrderedDict
-        raise ModelLoadError(f"{self.path}: holds {module}.{name}, which a weights file has no need of "
-                             "(refused: unpickling it could run code)")
+        raise ModelLoadError(
+            f"{self.path}: holds {module}.{name}, which a weights file has no need of "
+            "(refused: unpickling it could run code)"
+        )
 
     def persistent_load(self, pid):
         kind, stype, key, _location, numel = pid
