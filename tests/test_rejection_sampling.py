@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from pallas_kernels import kernel_plan as kp
 from pallas_kernels import rejection_sampling as rs
 from pallas_kernels.counter_hash import hash_uniform, unit_float
 from pallas_kernels.rejection_sampling import rejection_sample, rejection_sample_pallas, rejection_sample_reference
@@ -201,7 +202,7 @@ def test_vocab_tiles_equal_reference(backend, k, v, tile):
     """Several vocab tiles, a ragged last tile (V not a multiple of the tile), ragged row blocks;
     the reduce layout (None, Mosaic TPU) and the split layout (GPU backends), interpreted."""
     p, q, d, seeds = random_step(5, k, v)
-    plan = rs.kernel_plan(backend, 5, k, v, p.dtype, rows=2, tile=tile)
+    plan = kp.kernel_plan(backend, 5, k, v, p.dtype, rows=2, tile=tile)
     assert plan.n_tiles >= 3 and v % tile
     for qq in (q, None):
         want = rejection_sample_reference(p, qq, d, seeds)
@@ -249,7 +250,7 @@ def test_tpu_interpret_mode_equals_reference(with_q, tile):
         p, qq, d, seeds, interpret=params, backend="mosaic_tpu", rows_per_block=2, vocab_tile=tile
     )
     assert_same(rejection_sample_reference(p, qq, d, seeds), got)
-    plan = rs.kernel_plan("mosaic_tpu", 3, 4, 1000, p.dtype, with_q, rows=2, tile=tile)
+    plan = kp.kernel_plan("mosaic_tpu", 3, 4, 1000, p.dtype, with_q, rows=2, tile=tile)
     rows, tiles = plan.grid
     assert sorted(visited) == [(i, j) for i in range(rows) for j in range(tiles)]  # every program once
     for i in range(rows):  # the vocab axis runs in order within a row block
@@ -266,14 +267,14 @@ BUDGET_VOCABS = [32000, 49152, 128256, 151936]
 def test_blocks_fit_the_budget(backend, vocab):
     """Every program's blocks (double buffered inputs and outputs, scratch, TPU temporaries) fit
     the backend's budget for K = 1..16, f32 and bf16, dense and one-hot q, batch 1..64."""
-    budget = rs.memory_budget(backend)
+    budget = kp.memory_budget(backend)
     assert budget <= (8 << 20 if backend == "mosaic_tpu" else 96 << 10)
     for k in range(1, 17):
         for dtype in (jnp.float32, jnp.bfloat16):
             for has_q in (True, False):
                 for batch in (1, 8, 64):
-                    plan = rs.kernel_plan(backend, batch, k, vocab, dtype, has_q)
-                    got = rs.block_bytes(plan)
+                    plan = kp.kernel_plan(backend, batch, k, vocab, dtype, has_q)
+                    got = kp.block_bytes(plan)
                     where = (backend, vocab, k, jnp.dtype(dtype).name, has_q, batch, got)
                     assert got["total"] <= budget, where
                     assert plan.n_tiles * plan.tile >= vocab > (plan.n_tiles - 1) * plan.tile, where
@@ -281,24 +282,24 @@ def test_blocks_fit_the_budget(backend, vocab):
                     if backend == "mosaic_tpu":
                         assert plan.positions % 8 == 0 and plan.positions >= k + 1, where
                     else:
-                        assert got["largest_block"] <= rs.GPU_MAX_BLOCK_ELEMENTS, where
+                        assert got["largest_block"] <= kp.GPU_MAX_BLOCK_ELEMENTS, where
                         assert plan.tile & (plan.tile - 1) == 0 and plan.positions & (plan.positions - 1) == 0, where
 
 
 def test_block_bytes_follow_the_specs():
     """The calculator reads the BlockSpecs the kernel is built with; a whole-vocab block (the
     untiled layout) would not fit the TPU budget at 128k vocab."""
-    plan = rs.kernel_plan("mosaic_tpu", 8, 7, 128256, jnp.float32)
-    specs = rs.kernel_specs(plan)
+    plan = kp.kernel_plan("mosaic_tpu", 8, 7, 128256, jnp.float32)
+    specs = kp.kernel_specs(plan)
     assert specs.in_specs[2].block_shape == (8, 8, plan.tile) == specs.in_specs[3].block_shape
     assert len(specs.scratch_shapes) == 6 and plan.grid == (1, pl_cdiv(128256, plan.tile))
     assert rs._compiler_params(plan, False).dimension_semantics == ("parallel", "arbitrary")
-    got = rs.block_bytes(plan)
+    got = kp.block_bytes(plan)
     assert got["inputs"] >= 2 * 2 * 8 * 8 * plan.tile * 4
-    whole = rs.kernel_plan("mosaic_tpu", 8, 7, 128256, jnp.float32, tile=128256 // 128 * 128 + 128)
-    assert rs.block_bytes(whole)["total"] > 16 << 20
+    whole = kp.kernel_plan("mosaic_tpu", 8, 7, 128256, jnp.float32, tile=128256 // 128 * 128 + 128)
+    assert kp.block_bytes(whole)["total"] > 16 << 20
     with pytest.raises(ValueError):
-        rs.kernel_plan("triton", 8, 7, 128256, jnp.float32, tile=384)
+        kp.kernel_plan("triton", 8, 7, 128256, jnp.float32, tile=384)
 
 
 def pl_cdiv(a, b):

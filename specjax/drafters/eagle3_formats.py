@@ -200,6 +200,65 @@ def _draft_map(get, names, nd: int, v: int, source: str) -> np.ndarray:
     return ids
 
 
+def _published_tensors(w: Eagle3Weights, fmt: str, embed, dtype) -> dict[str, np.ndarray]:
+    """The tensors of `w` under `fmt`'s names (d2t as offsets and t2d when the draft vocabulary
+    is not the target's); `dtype` casts the float tensors."""
+    from flax import nnx
+
+    cfg = w.config
+    pure = nnx.to_pure_dict(w.params)
+    prefix = LAYER_PREFIX[fmt]
+    layer = {"attn": pure["attn"], "mlp": pure["mlp"], "attn_norm": pure["embed_norm"], "mlp_norm": pure["mlp_norm"]}
+    tensors = layer_to_hf(cfg.layer_config(), layer, prefix)
+    tensors[prefix + "hidden_norm.weight"] = pure["hidden_norm"]["scale"]
+    tensors.update({"fc.weight": pure["fc"], "norm.weight": pure["norm"]["scale"], "lm_head.weight": pure["head"]})
+    if cfg.norm_before_fc:
+        tensors["input_norm.weight"] = pure["input_norm"]["scale"]
+    table = w.embed if w.embed is not None else embed
+    if table is not None:
+        tensors["embed_tokens.weight"] = table
+    tensors = {k: np.asarray(a if dtype is None else jnp.asarray(a, dtype)) for k, a in tensors.items()}
+    ids = np.asarray(w.d2t, np.int64)  # [N] target id of each draft token
+    v, nd = cfg.target_vocab_size, cfg.draft_vocab_size
+    if nd != v or not np.array_equal(ids, np.arange(v)):
+        tensors["d2t"] = ids - np.arange(nd)
+        t2d = np.zeros(v, bool)
+        t2d[ids] = True
+        tensors["t2d"] = t2d
+    return tensors
+
+
+def _speculators_config(cfg, hf: dict, nd: int, num_draft: int, verifier: dict | None, dtype_name: str) -> dict:
+    """The `speculators` Eagle3Speculator config (its layer ids index HF `hidden_states`: ours + 1)."""
+    return {
+        "architectures": [SPECULATORS_ARCH],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": hf,
+        "draft_vocab_size": nd,
+        "norm_before_residual": cfg.norm_before_residual,
+        "norm_before_fc": cfg.norm_before_fc,
+        "fc_norm": False,
+        "norm_output": cfg.norm_output,
+        "embed_requires_grad": False,
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layers],
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": num_draft,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "verifier": verifier or {"name_or_path": None, "architectures": ["LlamaForCausalLM"]},
+        },
+        "dtype": dtype_name,
+    }
+
+
 def to_published(
     w: Eagle3Weights,
     fmt: str,
@@ -219,28 +278,9 @@ def to_published(
         raise DrafterError(
             "a drafter with a Qwen3-type layer (q/k norms) has no EAGLE/SpecForge layout; use --format speculators"
         )
-    from flax import nnx
-
-    pure = nnx.to_pure_dict(w.params)
+    tensors = _published_tensors(w, fmt, embed, dtype)
     lc = cfg.layer_config()
-    prefix = LAYER_PREFIX[fmt]
-    layer = {"attn": pure["attn"], "mlp": pure["mlp"], "attn_norm": pure["embed_norm"], "mlp_norm": pure["mlp_norm"]}
-    tensors = layer_to_hf(lc, layer, prefix)
-    tensors[prefix + "hidden_norm.weight"] = pure["hidden_norm"]["scale"]
-    tensors.update({"fc.weight": pure["fc"], "norm.weight": pure["norm"]["scale"], "lm_head.weight": pure["head"]})
-    if cfg.norm_before_fc:
-        tensors["input_norm.weight"] = pure["input_norm"]["scale"]
-    table = w.embed if w.embed is not None else embed
-    if table is not None:
-        tensors["embed_tokens.weight"] = table
-    tensors = {k: np.asarray(a if dtype is None else jnp.asarray(a, dtype)) for k, a in tensors.items()}
-    ids = np.asarray(w.d2t, np.int64)
     v, nd = cfg.target_vocab_size, cfg.draft_vocab_size
-    if nd != v or not np.array_equal(ids, np.arange(v)):
-        tensors["d2t"] = ids - np.arange(nd)
-        t2d = np.zeros(v, bool)
-        t2d[ids] = True
-        tensors["t2d"] = t2d
     hf = dataclasses.replace(lc, vocab_size=v, max_position_embeddings=max_positions or lc.max_position_embeddings)
     hf = hf.to_hf()
     dtype_name = str(np.dtype(dtype)) if dtype is not None else str(tensors["fc.weight"].dtype)
@@ -257,33 +297,7 @@ def to_published(
             if getattr(cfg, flag):
                 config[flag] = True
     else:
-        config = {
-            "architectures": [SPECULATORS_ARCH],
-            "speculators_model_type": "eagle3",
-            "speculators_version": SPECULATORS_VERSION,
-            "transformer_layer_config": hf,
-            "draft_vocab_size": nd,
-            "norm_before_residual": cfg.norm_before_residual,
-            "norm_before_fc": cfg.norm_before_fc,
-            "fc_norm": False,
-            "norm_output": cfg.norm_output,
-            "embed_requires_grad": False,
-            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layers],
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [
-                    {
-                        "proposal_type": "greedy",
-                        "speculative_tokens": num_draft,
-                        "verifier_accept_k": 1,
-                        "accept_tolerance": 0.0,
-                    }
-                ],
-                "verifier": verifier or {"name_or_path": None, "architectures": ["LlamaForCausalLM"]},
-            },
-            "dtype": dtype_name,
-        }
+        config = _speculators_config(cfg, hf, nd, num_draft, verifier, dtype_name)
     if cfg.target_hidden_size:
         config["target_hidden_size"] = cfg.target_hidden_size
     return config, tensors

@@ -70,10 +70,35 @@ def checkpoint_dir(target) -> str | None:
         return None
 
 
-def load_from_checkpoint(path: str | None, target, dtype=jnp.float32) -> MTPWeights | None:
-    """The MTP layers of the target checkpoint at `path` (whose trunk `target` is), or None when
-    `path` is not a readable HF checkpoint carrying some (e.g. a specjax MTP drafter directory).
-    The checkpoint's tensor index is opened once, for both questions."""
+# Per layout: the tensor names of a module's norms and projection, one shared set (Qwen3-Next)
+# or relative to each module's prefix (DeepSeek-V3, MiMo).
+_SHARED_NAMES = {
+    "qwen3_next": {
+        "enorm": "mtp.pre_fc_norm_embedding.weight",
+        "hnorm": "mtp.pre_fc_norm_hidden.weight",
+        "proj": "mtp.fc.weight",
+        "norm": "mtp.norm.weight",
+    }
+}
+_OWN_NAMES = {
+    "deepseek": {
+        "enorm": "enorm.weight",
+        "hnorm": "hnorm.weight",
+        "proj": "eh_proj.weight",
+        "norm": "shared_head.norm.weight",
+    },
+    "mimo": {
+        "enorm": "token_layernorm.weight",
+        "hnorm": "hidden_layernorm.weight",
+        "proj": "input_proj.weight",
+        "norm": "final_layernorm.weight",
+    },
+}
+
+
+def _open_index(path: str | None):
+    """(tensor getter, tensor names, config dict) of the HF checkpoint at `path`, or None when it
+    is not a readable HF checkpoint (e.g. a specjax drafter directory)."""
     from specjax.models.loading.hf import open_checkpoint
 
     if not path or not os.path.isfile(os.path.join(path, "config.json")):
@@ -86,7 +111,69 @@ def load_from_checkpoint(path: str | None, target, dtype=jnp.float32) -> MTPWeig
         return None
     if not isinstance(raw, dict) or "drafter" in raw:
         return None
-    raw = raw.get("text_config", raw)
+    return get, names, raw.get("text_config", raw)
+
+
+def _mtp_config(tc: LlamaConfig, layout: str, n: int) -> MTPConfig:
+    """`n` MTP modules shaped like the target's layers, wired as `layout` wires them."""
+    return MTPConfig(
+        hidden_size=tc.hidden_size,
+        intermediate_size=tc.intermediate_size,
+        num_heads=tc.num_heads,
+        num_kv_heads=tc.num_kv_heads,
+        head_dim=tc.head_dim,
+        target_vocab_size=tc.vocab_size,
+        target_num_layers=0,
+        num_modules=n,
+        rope_theta=tc.rope_theta,
+        rope_scaling=tc.rope_scaling,
+        rms_norm_eps=tc.rms_norm_eps,
+        attention_bias=tc.attention_bias,
+        qk_norm=tc.qk_norm,
+        hidden_first=layout == "mimo",
+        norm_feedback=layout != "deepseek",
+        max_drafts=MAX_DRAFTS,
+    )
+
+
+def _read_modules(cfg: MTPConfig, fetch, names, prefixes: list[str], layout: str, target, source: str) -> dict:
+    """Module i's arrays read under `prefixes[i]`. DeepSeek checkpoints may store copies of the
+    target's embedding and head in every module: they must equal the target's."""
+    d, v = cfg.hidden_size, cfg.target_vocab_size
+    tables = {}
+    if layout == "deepseek":
+        full = {
+            "shared_head.head.weight": target.module().head_weight(),
+            "embed_tokens.weight": target.params["embed"][...],
+        }
+        tables = {k: np.asarray(t, np.float32) for k, t in full.items() if any(p + k in names for p in prefixes)}
+    shared, own = _SHARED_NAMES.get(layout), _OWN_NAMES.get(layout)
+    modules = {}
+    for i, p in enumerate(prefixes):
+        names_i = {k: (shared[k] if shared else p + own[k]) for k in ("enorm", "hnorm", "proj", "norm")}
+        modules[i] = {
+            "enorm": {"scale": fetch(names_i["enorm"], (d,))},
+            "hnorm": {"scale": fetch(names_i["hnorm"], (d,))},
+            "proj": fetch(names_i["proj"], (d, 2 * d)),
+            "norm": {"scale": fetch(names_i["norm"], (d,))},
+            "block": layer_from_hf(cfg.layer_config(), fetch, p),
+        }
+        for name, table in tables.items():  # copies of the target's tables, if stored: must be them
+            if p + name in names and not np.allclose(fetch(p + name, (v, d)), table, atol=1e-6):
+                raise DrafterError(
+                    f"{source}: {p}{name} is not the target's; specjax's MTP reads the target's embedding and LM head"
+                )
+    return modules
+
+
+def load_from_checkpoint(path: str | None, target, dtype=jnp.float32) -> MTPWeights | None:
+    """The MTP layers of the target checkpoint at `path` (whose trunk `target` is), or None when
+    `path` is not a readable HF checkpoint carrying some (e.g. a specjax MTP drafter directory).
+    The checkpoint's tensor index is opened once, for both questions."""
+    opened = _open_index(path)
+    if opened is None:
+        return None
+    get, names, raw = opened
     tc: LlamaConfig = target.config
     found = _layout(names, raw, tc.num_layers)
     if found is None:
@@ -106,73 +193,9 @@ def load_from_checkpoint(path: str | None, target, dtype=jnp.float32) -> MTPWeig
             raise DrafterError(
                 f"{source}: {what} MTP layers are not supported (specjax runs dense attention + SwiGLU layers)"
             )
-    cfg = MTPConfig(
-        hidden_size=tc.hidden_size,
-        intermediate_size=tc.intermediate_size,
-        num_heads=tc.num_heads,
-        num_kv_heads=tc.num_kv_heads,
-        head_dim=tc.head_dim,
-        target_vocab_size=tc.vocab_size,
-        target_num_layers=0,
-        num_modules=n,
-        rope_theta=tc.rope_theta,
-        rope_scaling=tc.rope_scaling,
-        rms_norm_eps=tc.rms_norm_eps,
-        attention_bias=tc.attention_bias,
-        qk_norm=tc.qk_norm,
-        hidden_first=layout == "mimo",
-        norm_feedback=layout != "deepseek",
-        max_drafts=MAX_DRAFTS,
-    )
-    fetch = checked_getter(get)
-    d, v = tc.hidden_size, tc.vocab_size
-    shared = {
-        "qwen3_next": {
-            "enorm": "mtp.pre_fc_norm_embedding.weight",
-            "hnorm": "mtp.pre_fc_norm_hidden.weight",
-            "proj": "mtp.fc.weight",
-            "norm": "mtp.norm.weight",
-        }
-    }.get(layout)
-    own = {
-        "deepseek": {
-            "enorm": "enorm.weight",
-            "hnorm": "hnorm.weight",
-            "proj": "eh_proj.weight",
-            "norm": "shared_head.norm.weight",
-        },
-        "mimo": {
-            "enorm": "token_layernorm.weight",
-            "hnorm": "hidden_layernorm.weight",
-            "proj": "input_proj.weight",
-            "norm": "final_layernorm.weight",
-        },
-    }.get(layout)
-    tables = {}
-    if layout == "deepseek":
-        full = {
-            "shared_head.head.weight": target.module().head_weight(),
-            "embed_tokens.weight": target.params["embed"][...],
-        }
-        tables = {k: np.asarray(t, np.float32) for k, t in full.items() if any(p + k in names for p in prefixes)}
-    modules = {}
+    cfg = _mtp_config(tc, layout, n)
     try:
-        for i, p in enumerate(prefixes):
-            names_i = {k: (shared[k] if shared else p + own[k]) for k in ("enorm", "hnorm", "proj", "norm")}
-            lay = layer_from_hf(cfg.layer_config(), fetch, p)
-            modules[i] = {
-                "enorm": {"scale": fetch(names_i["enorm"], (d,))},
-                "hnorm": {"scale": fetch(names_i["hnorm"], (d,))},
-                "proj": fetch(names_i["proj"], (d, 2 * d)),
-                "norm": {"scale": fetch(names_i["norm"], (d,))},
-                "block": lay,
-            }
-            for name, table in tables.items():  # copies of the target's tables, if stored: must be them
-                if p + name in names and not np.allclose(fetch(p + name, (v, d)), table, atol=1e-6):
-                    raise DrafterError(
-                        f"{source}: {p}{name} is not the target's; specjax's MTP reads "
-                        "the target's embedding and LM head"
-                    )
+        modules = _read_modules(cfg, checked_getter(get), names, prefixes, layout, target, source)
     except ModelLoadError as e:
         raise DrafterError(f"{source}: {e}") from None
     arrays = {f"heads/{k}": a for k, a in _flatten(modules)}

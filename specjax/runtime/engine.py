@@ -180,6 +180,43 @@ class Engine:
         s = bucket_multiple(max(max(prompt_lens) + max_new + k + 2, t), 128)
         return t, s
 
+    def _rows(self, prompt_ids, sampling, eos_ids, drafter: Drafter, max_new_cap, spec_mode, costs) -> dict:
+        """The batch's per-row arrays, placed on the mesh's `data` axis when there is one: prompt
+        `[B, T]` (right-padded), prompt_len `[B]`, samp (`SamplingArrays`), max_new `[B]`,
+        stop_ids `[B, M]` (-1 padded), seed `[B]` uint32, policy (`RowPolicy` or None)."""
+        b = len(prompt_ids)
+        lens = [len(p) for p in prompt_ids]
+        max_new = max(p.max_new_tokens for p in sampling)
+        t, _ = self.shapes(lens, max_new, drafter.num_draft)
+        prompt = np.zeros((b, t), np.int32)  # [B, T]
+        for i, p in enumerate(prompt_ids):
+            prompt[i, : len(p)] = p
+        stops = [tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos_ids)) for p in sampling]
+        stop_arr = np.full((b, max(1, max(len(x) for x in stops))), -1, np.int32)  # [B, M]
+        for i, x in enumerate(stops):
+            stop_arr[i, : len(x)] = x
+        cap = max_new if max_new_cap is None else max_new_cap
+        rows = dict(
+            prompt=jnp.asarray(prompt),
+            prompt_len=jnp.asarray(lens, jnp.int32),
+            samp=SamplingArrays.from_params(sampling),
+            max_new=jnp.asarray([min(p.max_new_tokens, cap) for p in sampling], jnp.int32),
+            stop_ids=jnp.asarray(stop_arr),
+            seed=jnp.asarray([p.row_seed() for p in sampling], jnp.uint32),
+        )
+        policy = None
+        if spec_mode is not None and drafter.num_draft > 0:
+            table = np.ones(drafter.accept_width + 1, np.float32) if costs is None else costs
+            policy = new_policy(b, table, spec_mode)
+        if self.mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            by_row, repl = NamedSharding(self.mesh, PartitionSpec("data")), NamedSharding(self.mesh, PartitionSpec())
+            rows = jax.device_put(rows, by_row)
+            if policy is not None:
+                policy = jax.device_put(policy, RowPolicy(repl, repl, by_row, by_row, by_row, by_row))
+        return dict(rows, policy=policy)
+
     def generate(
         self,
         prompt_ids: list[list[int]],
@@ -190,89 +227,38 @@ class Engine:
         spec_mode: int | None = None,
         costs: np.ndarray | None = None,
     ) -> list[RowOutput]:
-        """`max_new_cap`: stop every row after this many tokens while compiling for the rows'
-        `max_new_tokens` (a short probe that runs the code the full batch runs). `spec_mode`: None
-        (verify whatever the drafter proposes, no policy state) or a `policy.rows` mode (AUTO,
-        ALWAYS, FORCE: one compiled loop serves all three) with `costs [K + 1]` for AUTO."""
+        """Generate for a batch of tokenized prompts, one `SamplingParams` per row.
+
+        `eos_ids`: stop ids of every row not ignoring EOS. `max_new_cap`: stop every row after
+        this many tokens while compiling for the rows' `max_new_tokens` (a short probe that runs
+        the code the full batch runs). `spec_mode`: None (verify whatever the drafter proposes,
+        no policy state) or a `policy.rows` mode (AUTO, ALWAYS, FORCE: one compiled loop serves
+        all three) with `costs [K + 1]` for AUTO. Returns one `RowOutput` per row."""
         drafter = drafter or NoDrafter()
-        b = len(prompt_ids)
         lens = [len(p) for p in prompt_ids]
-        max_new = max(p.max_new_tokens for p in sampling)
-        t, s = self.shapes(lens, max_new, drafter.num_draft)
-        prompt = np.zeros((b, t), np.int32)
-        for i, p in enumerate(prompt_ids):
-            prompt[i, : len(p)] = p
-        stops = [tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos_ids)) for p in sampling]
-        stop_arr = np.full((b, max(1, max(len(x) for x in stops))), -1, np.int32)
-        for i, x in enumerate(stops):
-            stop_arr[i, : len(x)] = x
-        samp = SamplingArrays.from_params(sampling)
-        all_greedy = all(p.greedy for p in sampling)
-        seed = jnp.asarray([p.row_seed() for p in sampling], jnp.uint32)
-        prompt, prompt_len = jnp.asarray(prompt), jnp.asarray(lens, jnp.int32)
-        cap = max_new if max_new_cap is None else max_new_cap
-        max_new_arr = jnp.asarray([min(p.max_new_tokens, cap) for p in sampling], jnp.int32)
-        stop_arr = jnp.asarray(stop_arr)
+        _, s = self.shapes(lens, max(p.max_new_tokens for p in sampling), drafter.num_draft)
+        r = self._rows(prompt_ids, sampling, eos_ids, drafter, max_new_cap, spec_mode, costs)
         weights, dparams = self.model.params, drafter.params()
         if self.mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
 
-            rows, repl = NamedSharding(self.mesh, PartitionSpec("data")), NamedSharding(self.mesh, PartitionSpec())
-            prompt, prompt_len, samp, max_new_arr, stop_arr, seed = jax.device_put(
-                (prompt, prompt_len, samp, max_new_arr, stop_arr, seed), rows
-            )
-            dparams = jax.device_put(dparams, repl)
-
-        policy = None
-        if spec_mode is not None and drafter.num_draft > 0:
-            table = np.ones(drafter.accept_width + 1, np.float32) if costs is None else costs
-            policy = new_policy(b, table, spec_mode)
-            if self.mesh is not None:
-                policy = jax.device_put(policy, RowPolicy(repl, repl, rows, rows, rows, rows))
+            dparams = jax.device_put(dparams, NamedSharding(self.mesh, PartitionSpec()))
         pre_static = dict(cache_size=s, feature_layers=drafter.feature_layers, want_final=drafter.needs_final_hidden)
-        pre = self._get("prefill", _prefill, pre_static, (), weights, prompt, prompt_len)
+        pre = self._get("prefill", _prefill, pre_static, (), weights, r["prompt"], r["prompt_len"])
         # Compile decode before timing anything: its arguments' shapes are known without running.
         c_shape, l_shape, h_shape, f_shape = pre.out_info
-        dec_static = dict(drafter=drafter, all_greedy=all_greedy, implementation=self.implementation)
-        dec = self._get(
-            "decode",
-            _decode,
-            dec_static,
-            (2,),
-            weights,
-            dparams,
-            c_shape,
-            l_shape,
-            prompt,
-            prompt_len,
-            h_shape,
-            f_shape,
-            samp,
-            max_new_arr,
-            stop_arr,
-            seed,
-            policy,
+        dec_static = dict(
+            drafter=drafter, all_greedy=all(p.greedy for p in sampling), implementation=self.implementation
         )
+        row_args = (r["samp"], r["max_new"], r["stop_ids"], r["seed"], r["policy"])
+        abstract = (c_shape, l_shape, r["prompt"], r["prompt_len"], h_shape, f_shape)  # decode's inputs 3-8
+        dec = self._get("decode", _decode, dec_static, (2,), weights, dparams, *abstract, *row_args)
         t0 = time.perf_counter()
-        cache, last_logits, features, final_hidden = pre(weights, prompt, prompt_len)
+        cache, last_logits, features, final_hidden = pre(weights, r["prompt"], r["prompt_len"])
         jax.block_until_ready(last_logits)
         t1 = time.perf_counter()
-        st = dec(
-            weights,
-            dparams,
-            cache,
-            last_logits,
-            prompt,
-            prompt_len,
-            features,
-            final_hidden,
-            samp,
-            max_new_arr,
-            stop_arr,
-            seed,
-            policy,
-        )
-        history = np.asarray(st.history)
+        st = dec(weights, dparams, cache, last_logits, r["prompt"], r["prompt_len"], features, final_hidden, *row_args)
+        history = np.asarray(st.history)  # [B, S]
         t2 = time.perf_counter()
         hist_len, stopped = np.asarray(st.hist_len), np.asarray(st.stopped)
         steps, checked, accepted = np.asarray(st.steps), np.asarray(st.checked), np.asarray(st.accepted)
@@ -288,5 +274,5 @@ class Engine:
                 prefill_seconds=t1 - t0,
                 decode_seconds=t2 - t1,
             )
-            for i in range(b)
+            for i in range(len(prompt_ids))
         ]
