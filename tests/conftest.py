@@ -17,7 +17,16 @@ import os
 
 import pytest
 
-from helpers import OTHER_TARGETS, SHARP_LAYERS, tiny, tiny_checkpoint_with_tokenizer
+from helpers import (
+    OTHER_TARGETS,
+    SHARP_LAYERS,
+    batch_config,
+    batch_job_rows,
+    read_rows,
+    tiny,
+    tiny_checkpoint_with_tokenizer,
+    write_jsonl,
+)
 from helpers import sharp_target as make_sharp_target
 
 # No network here: any hub lookup fails fast instead of retrying. Set at import, before a test
@@ -164,6 +173,32 @@ def batch_model(batch_model_dir):
     import specjax
 
     return specjax.load_model(batch_model_dir, quiet=True)
+
+
+@pytest.fixture(scope="session")
+def job_input(tmp_path_factory) -> str:
+    """The batch-job tests' input: `helpers.batch_job_rows()` as JSONL."""
+    return write_jsonl(tmp_path_factory.mktemp("batch_in") / "in.jsonl", batch_job_rows())
+
+
+@pytest.fixture(scope="session")
+def greedy_input(tmp_path_factory) -> str:
+    """Its greedy rows only."""
+    rows = [r for r in batch_job_rows() if "temperature" not in r]
+    return write_jsonl(tmp_path_factory.mktemp("batch_in_greedy") / "in.jsonl", rows)
+
+
+@pytest.fixture(scope="session")
+def reference(batch_model, job_input, tmp_path_factory) -> dict:
+    """id -> result row of an uninterrupted one-process, one-device run."""
+    from specjax.batch.job import run_batch
+
+    out = tmp_path_factory.mktemp("batch_ref") / "ref.jsonl"
+    summary = run_batch(batch_config(batch_model, job_input, out))
+    assert summary["written"] == 16 and summary["errors"] == 0
+    assert 0 < summary["prefill_seconds"] + summary["decode_seconds"] <= summary["seconds"]
+    rows = read_rows(out)
+    return {r["id"]: r for r in rows}
 
 
 @pytest.fixture(scope="session")

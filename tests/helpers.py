@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -174,6 +175,35 @@ def write_jsonl(path, rows) -> str:
 def read_rows(path) -> list[dict]:
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+# The batch-job tests (test_batch.py, test_batch_policy.py): their runs' max_new_tokens and batch
+# size, their BatchConfig, and their comparison of result rows with the reference run's.
+BATCH_MAX_NEW = 8
+BATCH_ROWS = 4
+
+
+def batch_config(model, inp, out, **kw):
+    from specjax.batch.config import BatchConfig
+    from specjax.sampling import SamplingParams
+
+    kw = dict(batch_size=BATCH_ROWS, progress=False) | kw
+    return BatchConfig(
+        output=str(out), input=inp, model=model, sampling=SamplingParams(max_new_tokens=BATCH_MAX_NEW), **kw
+    )
+
+
+def assert_same_rows(rows: list[dict], reference: dict, ids: list, greedy_only: bool = False) -> None:
+    """Each id exactly once and, row by row, the reference's tokens and text."""
+    counts = collections.Counter(json.dumps(r["id"]) for r in rows)
+    assert all(c == 1 for c in counts.values()), [k for k, c in counts.items() if c > 1]
+    assert set(counts) == {json.dumps(i) for i in ids}
+    for r in rows:
+        ref = reference[r["id"]]
+        if greedy_only and ref["id"] in {x["id"] for x in batch_job_rows() if "temperature" in x}:
+            continue
+        fields = ("token_ids", "text", "finish_reason")
+        assert [r[f] for f in fields] == [ref[f] for f in fields], r["id"]
 
 
 FOUR_DEVICE_SCRIPT = """

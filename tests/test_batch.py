@@ -1,17 +1,17 @@
 """Batch jobs (`specjax batch`, specjax/batch/): resume after a real SIGKILL, the errors file,
-a sharded run on 4 host devices and a two-process run over loopback equal to one process, and
-the batch policy (input files and bad input: test_batch_input.py).
+a sharded run on 4 host devices and a two-process run over loopback equal to one process (the
+speculation policy: test_batch_policy.py; input files and bad input: test_batch_input.py).
 
 Everything runs a tiny random checkpoint (`batch_model_dir`, conftest.py: 1 layer, weights with std
 0.3 so greedy texts differ from row to row) with the default model's real tokenizer and chat
-template. The reference is an uninterrupted single-device run in this process; runs that need their
-own JAX (XLA_FLAGS, jax.distributed) or a kill are real `specjax batch` subprocesses. Prompts all
+template. The reference (`reference`, conftest.py) is an uninterrupted single-device run in this
+process; runs that need their own JAX (XLA_FLAGS, jax.distributed) or a kill are real
+`specjax batch` subprocesses. Prompts all
 fall in one prompt bucket and groups in one batch shape, so each process compiles once per group.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import signal
@@ -22,42 +22,11 @@ import time
 
 import pytest
 
+from helpers import BATCH_MAX_NEW as MAX_NEW
+from helpers import BATCH_ROWS as BATCH
+from helpers import assert_same_rows as assert_same
+from helpers import batch_config as config
 from helpers import batch_job_rows, read_rows, specjax_cli_cmd, write_jsonl
-
-MAX_NEW = 8
-BATCH = 4
-
-
-@pytest.fixture(scope="module")
-def job_input(tmp_path_factory) -> str:
-    return write_jsonl(tmp_path_factory.mktemp("batch_in") / "in.jsonl", batch_job_rows())
-
-
-@pytest.fixture(scope="module")
-def greedy_input(tmp_path_factory) -> str:
-    rows = [r for r in batch_job_rows() if "temperature" not in r]
-    return write_jsonl(tmp_path_factory.mktemp("batch_in_greedy") / "in.jsonl", rows)
-
-
-def config(model, inp, out, **kw):
-    from specjax.batch.config import BatchConfig
-    from specjax.sampling import SamplingParams
-
-    kw = dict(batch_size=BATCH, progress=False) | kw
-    return BatchConfig(output=str(out), input=inp, model=model, sampling=SamplingParams(max_new_tokens=MAX_NEW), **kw)
-
-
-@pytest.fixture(scope="module")
-def reference(batch_model, job_input, tmp_path_factory) -> dict:
-    """id -> result row of an uninterrupted one-process, one-device run."""
-    from specjax.batch.job import run_batch
-
-    out = tmp_path_factory.mktemp("batch_ref") / "ref.jsonl"
-    summary = run_batch(config(batch_model, job_input, out))
-    assert summary["written"] == 16 and summary["errors"] == 0
-    assert 0 < summary["prefill_seconds"] + summary["decode_seconds"] <= summary["seconds"]
-    rows = read_rows(out)
-    return {r["id"]: r for r in rows}
 
 
 def cli_args(batch_model_dir, inp, out, *more) -> list[str]:
@@ -88,19 +57,6 @@ def wait_for_lines(path, proc, n=1, timeout=180.0) -> None:
                 if fh.read().count(b"\n") >= n:
                     return
         time.sleep(0.01)
-
-
-def assert_same(rows: list[dict], reference: dict, ids: list, greedy_only: bool = False) -> None:
-    """Each id exactly once and, row by row, the reference's tokens and text."""
-    counts = collections.Counter(json.dumps(r["id"]) for r in rows)
-    assert all(c == 1 for c in counts.values()), [k for k, c in counts.items() if c > 1]
-    assert set(counts) == {json.dumps(i) for i in ids}
-    for r in rows:
-        ref = reference[r["id"]]
-        if greedy_only and ref["id"] in {x["id"] for x in batch_job_rows() if "temperature" in x}:
-            continue
-        fields = ("token_ids", "text", "finish_reason")
-        assert [r[f] for f in fields] == [ref[f] for f in fields], r["id"]
 
 
 # ---- resume --------------------------------------------------------------------------------------
@@ -409,207 +365,3 @@ def test_two_processes_over_loopback_with_a_restart(batch_model_dir, job_input, 
 
     with pytest.raises(SpecjaxError, match="different settings: temperature=0.0 in part 0, temperature=0.5 in part 1"):
         merge_parts(str(out), 2)
-
-
-# ---- speculation policy (specjax/policy/batch.py) ---------------------------------------------
-
-
-def batch_of_line(model, inp: str) -> dict:
-    """id -> first input line of its batch, from the job's own plan."""
-    from specjax.batch.config import BatchConfig
-    from specjax.batch.inputs import parse_input, read_input, tokenize
-    from specjax.batch.plan import plan_batches
-    from specjax.sampling import SamplingParams
-
-    cfg = BatchConfig(output="unused", input=inp)
-    rows = [tokenize(model, r, False) for r in parse_input(read_input(cfg), SamplingParams(max_new_tokens=MAX_NEW))]
-    return {r.id: str(b[0].line) for b, _ in plan_batches(rows, BATCH) for r in b}
-
-
-def test_auto_policy_records_cost_tables_and_resume_reuses_them(batch_model, job_input, reference, tmp_path):
-    """`auto` (the default with a drafter): each class of batch (rows, greedy/sampled) gets one
-    measured cost table and gain, written to OUTPUT.policy.json and used by every batch of
-    the class (speculating per row, or plain decoding where the drafter did not gain); greedy
-    rows equal plain decoding. A rerun reads the recorded figures instead of measuring: lost
-    sampled rows come back bit for bit, and a greedy class whose figures are replaced by ones under
-    which the rows speculate but no verify pays reruns its lost rows with the drafter, verifying
-    not once."""
-    from specjax.batch.job import run_batch
-
-    out = tmp_path / "res.jsonl"
-    summary = run_batch(config(batch_model, job_input, out, drafter="ngram", num_draft=3))
-    state_path = str(out) + ".policy.json"
-    with open(state_path) as fh:
-        state = json.load(fh)
-    first = read_rows(out)
-    assert set(state["classes"]) == {"4/greedy", "4/sampled"}
-    for entry in state["classes"].values():
-        assert len(entry["costs"]) == 4 and entry["costs"][0] == 1.0 and entry["batches"] >= 1
-        assert entry["gain"] > 0.0 and entry["speculates"] == (entry["gain"] >= 1.05)
-    assert_same(first, reference, list(reference), greedy_only=True)  # lossless
-    for cls, entry in summary["speculation"].items():
-        assert 0.0 <= entry["verified_share"] <= 1.0 and entry["verify_cost"] >= 1.0, cls
-    sampled_ids = {r["id"] for r in batch_job_rows() if "temperature" in r}
-    for r in first:
-        on = state["classes"]["4/sampled" if r["id"] in sampled_ids else "4/greedy"]["speculates"]
-        assert (r["stats"]["num_draft"], r["stats"]["spec_policy"]) == ((3, "auto") if on else (0, "always")), r["id"]
-
-    key_of = batch_of_line(batch_model, job_input)
-    lost_greedy = min({key_of[r["id"]] for r in first if r["id"] not in sampled_ids}, key=int)
-    state["classes"]["4/greedy"].update(costs=[1.0, 9.0, 9.0, 9.0], speculates=True)  # no width pays per row
-    with open(state_path, "w") as fh:
-        json.dump(state, fh)
-    lost = {r["id"] for r in first if r["id"] in sampled_ids or key_of[r["id"]] == lost_greedy}
-    with open(out, "w") as fh:
-        fh.writelines(json.dumps(r) + "\n" for r in first if r["id"] not in lost)
-    again = run_batch(config(batch_model, job_input, out, drafter="ngram", num_draft=3))
-    assert again["written"] == len(lost)
-    rows = {r["id"]: r for r in read_rows(out)}
-    before = {r["id"]: r for r in first}
-    for i in lost:
-        if i in sampled_ids:  # the same table: the same decisions and samples
-            assert rows[i]["token_ids"] == before[i]["token_ids"], i
-            assert rows[i]["stats"]["verified_steps"] == before[i]["stats"]["verified_steps"], i
-        else:
-            assert rows[i]["stats"]["verified_steps"] == 0 and rows[i]["stats"]["num_draft"] == 3, i
-    assert_same(list(rows.values()), reference, list(reference), greedy_only=True)
-    with open(state_path) as fh:
-        assert json.load(fh)["classes"]["4/greedy"]["costs"] == [1.0, 9.0, 9.0, 9.0]  # not measured again
-
-
-@pytest.mark.parametrize(
-    "policy, expect", [("2", {4: 0, 1: 3}), ("4", {4: 3, 1: 3}), ("0", {4: 0, 1: 0}), ("always", {4: 3, 1: 3})]
-)
-def test_static_policy_by_batch_rows(batch_model, greedy_input, reference, tmp_path, policy, expect):
-    """`--spec-policy N`: speculate in batches of at most N rows (5 rows: a batch of 4 and one
-    of 1); `always`: in every batch, verifying every step. Greedy rows equal plain decoding either
-    way; no state file."""
-    from specjax.batch.job import run_batch
-
-    with open(greedy_input) as fh:
-        inp = write_jsonl(tmp_path / "in.jsonl", [json.loads(line) for line in fh][:5])
-    out = tmp_path / "res.jsonl"
-    run_batch(config(batch_model, inp, out, drafter="ngram", num_draft=3, spec_policy=policy))
-    rows = read_rows(out)
-    key_of = batch_of_line(batch_model, inp)
-    sizes = collections.Counter(key_of.values())
-    for r in rows:
-        assert r["stats"]["num_draft"] == expect[sizes[key_of[r["id"]]]], (policy, r["id"])
-        assert r["stats"]["spec_policy"] == "always", r["id"]
-    assert_same(rows, reference, [r["id"] for r in rows])
-    assert not os.path.exists(str(out) + ".policy.json")
-
-
-def test_batch_policy_state_file(tmp_path):
-    """A class's figures are measured once and recorded before use; a class speculates only
-    on a measured gain of at least 1.05; the file reloads to the same decisions; another
-    drafter or K ignores it; a failed measurement records nothing; a corrupt file is a one-line
-    error; bad settings are one-line errors."""
-    from specjax.errors import SpecjaxError
-    from specjax.policy.batch import BatchPolicy, parse_num_draft, parse_policy
-
-    path = str(tmp_path / "out.jsonl.policy.json")
-    calls = []
-
-    def measure(table, gain, k=3):
-        calls.append(1)
-        return {k: (table, gain)}
-
-    p = BatchPolicy("auto", (3,), "ngram", path)
-    assert p.plan(4, False, lambda: None) == (True, None, 3) and not os.path.exists(path)
-    cheap, dear = [1.0, 1.2, 1.4, 1.6], [1.0, 1.6, 2.2, 2.8]
-    assert p.plan(4, True, lambda: measure(cheap, 1.3)) == (True, cheap, 3) and os.path.exists(path)
-    assert p.plan(4, True, lambda: measure(cheap, 0.5)) == (True, cheap, 3) and len(calls) == 1
-    assert p.plan(8, True, lambda: measure(dear, 1.02)) == (False, None, 3) and len(calls) == 2
-    p.record(4, True, steps=100, verified_steps=25)
-    assert p.summary()["4/greedy"] == {
-        "batches": 1,
-        "num_draft": 3,
-        "verify_cost": 1.6,
-        "gain": 1.3,
-        "gains": {"3": 1.3},
-        "speculates": True,
-        "verified_share": 0.25,
-    }
-    assert "1.60 plain steps" in p.describe(4, True) and "plain decoding" in p.describe(8, True)
-    again = BatchPolicy("auto", (3,), "ngram", path)
-    assert again.plan(4, True, lambda: measure(dear, 0.1)) == (True, cheap, 3) and len(calls) == 2
-    assert again.plan(8, True, lambda: measure(cheap, 2.0)) == (False, None, 3) and len(calls) == 2
-    assert BatchPolicy("auto", (5,), "ngram", path).classes == {}
-    assert BatchPolicy("auto", (3,), "eagle3", path).classes == {}
-    assert BatchPolicy("always", (3,), "ngram", path).plan(4, True, lambda: measure(cheap, 1.3)) == (True, None, 3)
-    assert BatchPolicy(2, (3,), "ngram", None).plan(4, True, None) == (False, None, 0)
-    assert BatchPolicy(4, (3,), "ngram", None).plan(4, True, None) == (True, None, 3)
-    # --num-draft auto: every candidate measured once per class, the fastest kept (per batch size)
-    auto = str(tmp_path / "auto.policy.json")
-    tables = {4: [1.0, 1.1, 1.2, 1.3], 8: [1.0, 1.2, 1.4, 1.6, 1.8], 16: [1.0, 1.5, 2.0, 2.5, 3.0, 3.5]}
-    p = BatchPolicy("auto", (4, 8, 16), "eagle3/tree4x5", auto, "auto")
-    small = {4: (tables[4], 1.10), 8: (tables[8], 1.25), 16: (tables[16], 1.20)}
-    large = {4: (tables[4], 1.02), 8: (tables[8], 0.90), 16: (tables[16], 0.60)}
-    assert p.plan(1, True, lambda: small) == (True, tables[8], 8)
-    assert p.plan(16, True, lambda: large) == (False, None, 4)
-    assert "K=8" in p.describe(1, True) and "16: 1.20x" in p.describe(1, True)
-    reread = BatchPolicy("auto", (4, 8, 16), "eagle3/tree4x5", auto, "auto")
-    assert reread.plan(1, True, lambda: large) == (True, tables[8], 8)
-    assert BatchPolicy("auto", (4, 8), "eagle3/tree4x5", auto, "auto:4,8").classes == {}
-    with pytest.raises(SpecjaxError, match="needs --spec-policy auto"):
-        BatchPolicy("always", (4, 8), "eagle3/tree4x5", None, "auto")
-    assert parse_num_draft("auto") == ((), False) and parse_num_draft("auto:16,4") == ((4, 16), True)
-    assert parse_num_draft(" 7 ") == 7
-    for bad in ("-1", "auto:", "auto:0,4", "many"):
-        with pytest.raises(SpecjaxError, match="--num-draft"):
-            parse_num_draft(bad)
-    with open(path, "w") as fh:
-        fh.write("{not json")
-    with pytest.raises(SpecjaxError, match="unreadable speculation state"):
-        BatchPolicy("auto", (3,), "ngram", path)
-    for bad in ("fast", "-1", "1.5", "off"):
-        with pytest.raises(SpecjaxError, match="--spec-policy"):
-            parse_policy(bad)
-    assert parse_policy("AUTO") == "auto" and parse_policy(" 8 ") == 8 and parse_policy("always") == "always"
-
-
-def test_tree_drafting_batch_job_equals_plain(batch_model, greedy_input, reference, tmp_path):
-    """`specjax batch --tree-topk 3 --tree-depth 3`: n-gram tries of 6 nodes verified every step;
-    greedy rows equal plain decoding and their stats name the tree."""
-    from specjax.batch.job import run_batch
-
-    out = tmp_path / "res.jsonl"
-    run_batch(
-        config(
-            batch_model,
-            greedy_input,
-            out,
-            drafter="ngram",
-            num_draft=6,
-            tree_topk=3,
-            tree_depth=3,
-            spec_policy="always",
-        )
-    )
-    rows = read_rows(out)
-    assert rows and all((r["stats"]["num_draft"], r["stats"]["tree"]) == (6, "3x3") for r in rows)
-    assert_same(rows, reference, [r["id"] for r in rows])
-
-
-def test_auto_tree_size_batch_job_equals_plain(batch_model, greedy_input, reference, tmp_path):
-    """`specjax batch --num-draft auto:2,6 --tree-topk 3`: the class's first batch times both tree
-    sizes on its own rows and keeps the faster; the choice is in the policy file and the summary,
-    every row ran at it, and greedy rows equal plain decoding."""
-    from specjax.batch.job import run_batch
-
-    out = tmp_path / "res.jsonl"
-    summary = run_batch(
-        config(batch_model, greedy_input, out, drafter="ngram", num_draft="auto:2,6", tree_topk=3, tree_depth=2)
-    )
-    classes = summary["speculation"]
-    assert classes
-    for entry in classes.values():
-        assert entry["num_draft"] in (2, 6) and set(entry["gains"]) == {"2", "6"}
-        assert entry["gain"] == max(entry["gains"].values())
-    with open(str(out) + ".policy.json") as fh:
-        assert json.load(fh)["num_draft"] == "auto:2,6"
-    rows = read_rows(out)
-    chosen = {e["num_draft"] for e in classes.values()}
-    assert all(r["stats"]["num_draft"] in chosen | {0} for r in rows)
-    assert_same(rows, reference, [r["id"] for r in rows])
