@@ -89,6 +89,30 @@ def generate(
     """
     if spec_policy not in ("auto", "always"):
         raise InvalidSamplingError(f"spec_policy must be 'auto' or 'always', got {spec_policy!r}")
+    prompts, rows_sampling = _rows(prompts, sampling, max_new_tokens)
+    m = get_model(model, dtype)
+    ids = [encode_prompt(m, p, raw) for p in prompts]
+    for x, p in zip(ids, rows_sampling):
+        check_fits(m, len(x), p.max_new_tokens)
+    engine = get_engine(m, mesh)
+    variants = draft_variants(drafter, num_draft, m, tree_topk, tree_depth)
+    d = _pick_variant(engine, m, ids, rows_sampling, variants, drafter, num_draft)
+    eos = m.config.eos_token_ids
+    if spec_policy == "auto" and d.num_draft > 0:
+        costs = spec_costs
+        if costs is None:
+            costs = measure_costs(engine, ids, rows_sampling, eos, d, d.label(drafter))
+        elif len(costs) != d.accept_width + 1:
+            raise InvalidSamplingError(f"spec_costs needs K + 1 = {d.accept_width + 1} entries, got {len(costs)}")
+        costs = np.asarray(costs, np.float32)
+        rows = engine.generate(ids, rows_sampling, eos_ids=eos, drafter=d, spec_mode=AUTO, costs=costs)
+    else:
+        rows = engine.generate(ids, rows_sampling, eos_ids=eos, drafter=d)
+    return [_result(m, x, row, d, d.label(drafter), spec_policy) for x, row in zip(ids, rows)]
+
+
+def _rows(prompts, sampling, max_new_tokens: int | None) -> tuple[list, list[SamplingParams]]:
+    """The prompts as a list and one `SamplingParams` per prompt; one-line errors for bad input."""
     if not isinstance(prompts, (str, list, tuple)):
         raise InvalidPromptError(f"prompts must be a string or a list, got {type(prompts).__name__}")
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
@@ -96,61 +120,47 @@ def generate(
     if not prompts:
         raise InvalidPromptError("no prompts given")
     sampling = sampling if sampling is not None else SamplingParams()
-    params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
-    if len(params) != len(prompts):
-        raise InvalidSamplingError(f"{len(params)} sampling params for {len(prompts)} prompts")
+    per_row = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+    if len(per_row) != len(prompts):
+        raise InvalidSamplingError(f"{len(per_row)} sampling params for {len(prompts)} prompts")
     if max_new_tokens is not None:
-        params = [dataclasses.replace(p, max_new_tokens=max_new_tokens) for p in params]
-    m = get_model(model, dtype)
-    ids = [encode_prompt(m, p, raw) for p in prompts]
-    for x, p in zip(ids, params):
-        check_fits(m, len(x), p.max_new_tokens)
-    variants = draft_variants(drafter, num_draft, m, tree_topk, tree_depth)
-    engine = get_engine(m, mesh)
+        per_row = [dataclasses.replace(p, max_new_tokens=max_new_tokens) for p in per_row]
+    return list(prompts), per_row
+
+
+def _pick_variant(engine, m: Model, ids, rows_sampling, variants: dict, drafter: str | None, num_draft):
+    """The drafter at the K (or tree size) to run: the only one, or with `num_draft` "auto" the
+    fastest of the candidates, measured once per model, drafter and batch bucket on these rows."""
     d = variants[max(variants)]
-    if len(variants) > 1:
-        key = f"{cost_key(m, d, d.label(drafter), len(ids))}|{num_draft}"
-        if key not in _AUTO_K:
-            gains = measure_gains(
-                engine,
-                ids,
-                params,
-                m.config.eos_token_ids,
-                variants,
-                {k: v.label(drafter) for k, v in variants.items()},
-            )
-            _AUTO_K[key] = max(gains, key=lambda k: (gains[k][1], -k))  # ties: the smaller K
-        d = variants[_AUTO_K[key]]
-    if spec_policy == "auto" and d.num_draft > 0:
-        costs = spec_costs
-        if costs is None:
-            costs = measure_costs(engine, ids, params, m.config.eos_token_ids, d, d.label(drafter))
-        elif len(costs) != d.accept_width + 1:
-            raise InvalidSamplingError(f"spec_costs needs K + 1 = {d.accept_width + 1} entries, got {len(costs)}")
-        costs = np.asarray(costs, np.float32)
-        rows = engine.generate(ids, params, eos_ids=m.config.eos_token_ids, drafter=d, spec_mode=AUTO, costs=costs)
-    else:
-        rows = engine.generate(ids, params, eos_ids=m.config.eos_token_ids, drafter=d)
-    results = []
-    for x, row in zip(ids, rows):
-        seconds = row.prefill_seconds + row.decode_seconds
-        text = m.tokenizer.decode(row.token_ids, skip_special_tokens=True) if m.tokenizer else ""
-        # the prefill emits the first token; MAL counts the tokens of draft-verify steps
-        acc = AcceptanceStats.from_counts(row.steps, len(row.token_ids) - 1, row.checked, row.accepted, row.off_chain)
-        stats = GenerationStats(
-            steps=row.steps,
-            mean_accepted_length=acc.mal,
-            acceptance_rate=acc.acceptance_rate,
-            per_position_acceptance=acc.per_position(),
-            tokens_per_second=len(row.token_ids) / seconds if seconds > 0 else 0.0,
-            drafter=d.label(drafter),
-            num_draft=d.num_draft,
-            prefill_seconds=row.prefill_seconds,
-            decode_seconds=row.decode_seconds,
-            verified_steps=acc.verified,
-            spec_policy=spec_policy if d.num_draft else "always",
-            tree=f"{d.tree_topk}x{d.tree_depth}" if d.tree_topk > 1 else "chain",
-            off_chain_steps=acc.off_chain,
-        )
-        results.append(GenerationResult(text, row.token_ids, x, row.finish_reason, stats))
-    return results
+    if len(variants) == 1:
+        return d
+    key = f"{cost_key(m, d, d.label(drafter), len(ids))}|{num_draft}"
+    if key not in _AUTO_K:
+        labels = {k: v.label(drafter) for k, v in variants.items()}
+        gains = measure_gains(engine, ids, rows_sampling, m.config.eos_token_ids, variants, labels)
+        _AUTO_K[key] = max(gains, key=lambda k: (gains[k][1], -k))  # ties: the smaller K
+    return variants[_AUTO_K[key]]
+
+
+def _result(m: Model, ids: list[int], row, d, label: str, spec_policy: str) -> GenerationResult:
+    """One row's `GenerationResult` from the engine's `RowOutput`."""
+    seconds = row.prefill_seconds + row.decode_seconds
+    text = m.tokenizer.decode(row.token_ids, skip_special_tokens=True) if m.tokenizer else ""
+    # the prefill emits the first token; MAL counts the tokens of draft-verify steps
+    acc = AcceptanceStats.from_counts(row.steps, len(row.token_ids) - 1, row.checked, row.accepted, row.off_chain)
+    stats = GenerationStats(
+        steps=row.steps,
+        mean_accepted_length=acc.mal,
+        acceptance_rate=acc.acceptance_rate,
+        per_position_acceptance=acc.per_position(),
+        tokens_per_second=len(row.token_ids) / seconds if seconds > 0 else 0.0,
+        drafter=label,
+        num_draft=d.num_draft,
+        prefill_seconds=row.prefill_seconds,
+        decode_seconds=row.decode_seconds,
+        verified_steps=acc.verified,
+        spec_policy=spec_policy if d.num_draft else "always",
+        tree=f"{d.tree_topk}x{d.tree_depth}" if d.tree_topk > 1 else "chain",
+        off_chain_steps=acc.off_chain,
+    )
+    return GenerationResult(text, row.token_ids, ids, row.finish_reason, stats)
