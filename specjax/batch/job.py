@@ -124,17 +124,8 @@ def run_batch(cfg: BatchConfig) -> dict:
     err_path = errors_path(out_path)
     batch_size = cfg.batch_size or LATENCY_BATCH_SIZE[cfg.latency_class]
 
-    lines = read_input(cfg)
-    extra: dict[str, int] = {}
     defaults = cfg.sampling or SamplingParams()
-    parsed = parse_input(lines, defaults, extra)
-    if extra and pid == 0:
-        print(
-            "specjax batch: ignoring row fields it does not use: "
-            + ", ".join(f"{f} ({n} rows)" for f, n in sorted(extra.items())),
-            file=sys.stderr,
-        )
-    mine = [r for i, r in enumerate(parsed) if i % n_proc == pid]
+    lines, mine = _read_share(cfg, defaults)
     sizes = sharding.parse_mesh(cfg.mesh, len(jax.local_devices()))
 
     model = get_model(cfg.model, cfg.dtype)
@@ -187,28 +178,57 @@ def run_batch(cfg: BatchConfig) -> dict:
             done = [res for _, res in ran if not isinstance(res, SpecjaxError)]
             policy.record(size, greedy, sum(r.stats.steps for r in done), sum(r.stats.verified_steps for r in done))
             meter.add_batch([res for _, res in ran])
-            for r, res in ran:
-                if json.dumps(r.id) in results.done:
-                    continue
-                if isinstance(res, SpecjaxError):
-                    bad.append(BadRow(r.line, r.id, str(res)))
-                    os.write(errors_fd, json_line(bad[-1].to_dict()))
-                else:
-                    results.append({"id": r.id, "line": r.line, **res.to_dict()})
-                    meter.add(res)
+            _write_batch(ran, results, bad, errors_fd, meter)
             meter.advance(len(todo))
     finally:
         meter.stop()
         results.close()
         os.close(errors_fd)
 
+    summary = _summary(out_path, err_path, len(results.done), already, len(bad), meter, policy)
+    if n_proc > 1:
+        finish_part(cfg, out_path, lines, summary, settings)
+    return summary
+
+
+def _read_share(cfg: BatchConfig, defaults) -> tuple[list, list]:
+    """(the input's lines, this process's rows parsed: `JobRow` or `BadRow`); row i belongs to
+    process i mod num_processes. Unused row fields are reported once, by process 0."""
+    lines = read_input(cfg)
+    extra: dict[str, int] = {}
+    parsed = parse_input(lines, defaults, extra)
+    if extra and cfg.process_id == 0:
+        print(
+            "specjax batch: ignoring row fields it does not use: "
+            + ", ".join(f"{f} ({n} rows)" for f, n in sorted(extra.items())),
+            file=sys.stderr,
+        )
+    return lines, [r for i, r in enumerate(parsed) if i % cfg.num_processes == cfg.process_id]
+
+
+def _write_batch(ran, results: ResultsFile, bad: list, errors_fd: int, meter: Meter) -> None:
+    """Append a batch's rows that are not written yet: results to the results file, failed rows
+    (a one-line error each) to the errors file."""
+    for r, res in ran:
+        if json.dumps(r.id) in results.done:
+            continue
+        if isinstance(res, SpecjaxError):
+            bad.append(BadRow(r.line, r.id, str(res)))
+            os.write(errors_fd, json_line(bad[-1].to_dict()))
+        else:
+            results.append({"id": r.id, "line": r.line, **res.to_dict()})
+            meter.add(res)
+
+
+def _summary(out_path: str, err_path: str, rows: int, already: int, errors: int, meter: Meter, policy) -> dict:
+    """The job's summary (returned, and logged as one line)."""
     secs = meter.seconds
     summary = {
         "output": out_path,
-        "rows": len(results.done),
+        "rows": rows,
         "written": meter.rows,
         "already": already,
-        "errors": len(bad),
+        "errors": errors,
         "errors_file": err_path,
         "tokens": meter.tokens,
         "seconds": secs,
@@ -221,12 +241,10 @@ def run_batch(cfg: BatchConfig) -> dict:
     if policy.path:
         summary["speculation"] = policy.summary()
     log(
-        f"{meter.rows} rows written to {out_path} ({already} were already there), {len(bad)} bad rows "
+        f"{meter.rows} rows written to {out_path} ({already} were already there), {errors} bad rows "
         f"in {err_path}; {meter.tokens} tokens in {secs:.1f} s: {meter.rates()} (engine: prefill "
         f"{meter.prefill_seconds:.1f} s, decode {meter.decode_seconds:.1f} s)"
     )
-    if n_proc > 1:
-        finish_part(cfg, out_path, lines, summary, settings)
     return summary
 
 

@@ -254,16 +254,8 @@ def draft(drafter: Drafter, dparams, st: LoopState, pl: StepPlan, all_greedy: bo
     proposes (XLA copies a buffer into a conditional whose two branches both write it; here the
     other branch passes the state through). Returns (Proposal, drafter state, Pending or None)."""
     policed = st.policy is not None
-    ctx = StepContext(
-        st.history,
-        st.hist_len,
-        st.sampling,
-        pl.draft_seeds,
-        all_greedy,
-        pl.on,
-        pl.force_verify,
-        st.policy.costs if policed else None,
-    )
+    costs = st.policy.costs if policed else None  # [K + 1] or None
+    ctx = StepContext(st.history, st.hist_len, st.sampling, pl.draft_seeds, all_greedy, pl.on, pl.force_verify, costs)
     if not (policed and drafter.proposal_optional):
         return (*drafter.propose(dparams, st.draft_state, ctx), st.pending)
     drafting = jnp.any(pl.on) | pl.force_verify  # []
