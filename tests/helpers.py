@@ -11,25 +11,12 @@ import numpy as np
 
 
 def tiny(**overrides):
-    """The tests' tiny specjax `LlamaConfig`: vocab 256, 2 layers, hidden 64, 4 heads / 2 KV heads
-    of 16, FFN 128, context 512, untied head (a few-hundred-kilobyte random model); `overrides`
-    replace fields."""
-    from specjax.models.config import LlamaConfig
+    """The tests' tiny specjax `LlamaConfig`: the `cpu_smoke` preset's shape (vocab 256, 2 layers,
+    hidden 64, 4 heads / 2 KV heads of 16, FFN 128, context 512, untied head: a few-hundred-kilobyte
+    random model); `overrides` replace fields."""
+    from specjax.models.config import cpu_smoke
 
-    base = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    base.update(overrides)
-    return LlamaConfig(**base)
+    return cpu_smoke(**overrides)
 
 
 def hf_llama_config(**kw):

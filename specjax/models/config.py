@@ -224,7 +224,7 @@ class LlamaConfig:
 def cpu_smoke(**overrides) -> LlamaConfig:
     """The shape of the accelerator bench's `cpu-smoke` preset (specjax/bench/accel.py): a
     few-hundred-kilobyte random model that runs in seconds on CPU; `overrides` replace fields.
-    Tests build their own tiny configs (tests/helpers.py: `tiny`)."""
+    The tests' tiny configs are this shape too (tests/helpers.py: `tiny`)."""
     base = dict(
         vocab_size=256,
         hidden_size=64,

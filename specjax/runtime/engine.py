@@ -180,14 +180,13 @@ class Engine:
         s = bucket_multiple(max(max(prompt_lens) + max_new + k + 2, t), 128)
         return t, s
 
-    def _rows(self, prompt_ids, sampling, eos_ids, drafter: Drafter, max_new_cap, spec_mode, costs) -> dict:
+    def _rows(self, prompt_ids, t: int, sampling, eos_ids, drafter: Drafter, max_new_cap, spec_mode, costs) -> dict:
         """The batch's per-row arrays, placed on the mesh's `data` axis when there is one: prompt
         `[B, T]` (right-padded), prompt_len `[B]`, samp (`SamplingArrays`), max_new `[B]`,
         stop_ids `[B, M]` (-1 padded), seed `[B]` uint32, policy (`RowPolicy` or None)."""
         b = len(prompt_ids)
         lens = [len(p) for p in prompt_ids]
         max_new = max(p.max_new_tokens for p in sampling)
-        t, _ = self.shapes(lens, max_new, drafter.num_draft)
         prompt = np.zeros((b, t), np.int32)  # [B, T]
         for i, p in enumerate(prompt_ids):
             prompt[i, : len(p)] = p
@@ -236,8 +235,8 @@ class Engine:
         all three) with `costs [K + 1]` for AUTO. Returns one `RowOutput` per row."""
         drafter = drafter or NoDrafter()
         lens = [len(p) for p in prompt_ids]
-        _, s = self.shapes(lens, max(p.max_new_tokens for p in sampling), drafter.num_draft)
-        r = self._rows(prompt_ids, sampling, eos_ids, drafter, max_new_cap, spec_mode, costs)
+        t, s = self.shapes(lens, max(p.max_new_tokens for p in sampling), drafter.num_draft)
+        r = self._rows(prompt_ids, t, sampling, eos_ids, drafter, max_new_cap, spec_mode, costs)
         weights, dparams = self.model.params, drafter.params()
         if self.mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
