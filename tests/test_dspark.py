@@ -124,10 +124,24 @@ def test_speculators_checkpoint_matches_the_references(target_dir, target, tmp_p
             position_ids=torch.arange(len(tokens) + BLOCK)[None],
         )  # [1, K, D]
     assert rel_err(np.asarray(h), h_ref.numpy()) < 1e-5
-    # the heads along the greedy chain: slot j's bias reads the token before it
+    head = model.lm_head if draft_vocab < V else hf.lm_head
+
+    def ref_heads(prev, h_t):  # speculators' Markov-biased logits [1, K, N] and confidences [1, K]
+        logits = head(h_t) + model.markov_head.block_bias(prev_token_ids=prev, hidden_states=h_t)
+        e = model.markov_head.prev_embeddings(prev)
+        return logits, torch.sigmoid(model.confidence_head(torch.cat([h_t, e], dim=-1)))
+
+    ids = np.arange(V) if draft_vocab == V else np.asarray(model.d2t) + np.arange(draft_vocab)
+    assert_heads_match(drafter, dparams, h, history, last, ref_heads, ids)
+
+
+def assert_heads_match(drafter, dparams, h, history, last: int, ref_heads, ids: np.ndarray) -> None:
+    """Along the greedy chain (slot j's bias reads the token before it), our drafts, Markov-biased
+    logits and confidences from block hidden `h [1, K, D]` equal `ref_heads(prev [1, K], h)`'s
+    (logits over the head rows, target ids `ids [N]`; confidences)."""
     ctx = StepContext(
         history,
-        hist_len,
+        jnp.asarray([history.shape[1]]),
         SamplingArrays.from_params([SamplingParams()]),
         jnp.zeros((1,), jnp.uint32),
         True,
@@ -137,20 +151,13 @@ def test_speculators_checkpoint_matches_the_references(target_dir, target, tmp_p
     draft, q, conf = drafter.draft_chain(dparams, h, jnp.asarray([last]), ctx)
     assert q is None
     prev = torch.as_tensor(np.concatenate([[last], np.asarray(draft)[0, :-1]]))[None]  # [1, K]
-    h_t = torch.from_numpy(np.array(h))
     with torch.no_grad():
-        head = model.lm_head if draft_vocab < V else hf.lm_head
-        logits = head(h_t) + model.markov_head.block_bias(prev_token_ids=prev, hidden_states=h_t)  # [1, K, N]
-        e = model.markov_head.prev_embeddings(prev)
-        conf_ref = torch.sigmoid(model.confidence_head(torch.cat([h_t, e], dim=-1)))
-    ids = np.arange(V) if draft_vocab == V else np.asarray(model.d2t) + np.arange(draft_vocab)
+        logits, conf_ref = ref_heads(prev, torch.from_numpy(np.array(h)))
     assert np.asarray(draft)[0].tolist() == ids[logits[0].argmax(-1).numpy()].tolist()
     assert rel_err(np.asarray(conf), conf_ref.numpy()) < 1e-5
     net = drafter._net(dparams)
-    ours = np.asarray(
-        net.logits(net.head[...] if draft_vocab < V else dparams["head"], h)
-        + net.markov_bias(net.prev_embed(jnp.asarray(prev.numpy())))
-    )
+    rows = net.head[...] if drafter.weights.config.own_head else dparams["head"]
+    ours = np.asarray(net.logits(rows, h) + net.markov_bias(net.prev_embed(jnp.asarray(prev.numpy()))))
     assert rel_err(ours, logits.numpy()) < 1e-5
 
 

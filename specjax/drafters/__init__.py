@@ -159,9 +159,9 @@ def _dflash(spec, arg, num_draft, target, dtype, load) -> Drafter:
 
 
 def _dspark(spec, arg, num_draft, target, dtype, load) -> Drafter:
-    from specjax.drafters import dspark
+    from specjax.drafters import dspark, dspark_formats
 
-    weights = dspark.load(arg or _shipped_or_error("dspark"), target.dtype)
+    weights = dspark_formats.load(arg or _shipped_or_error("dspark"), target.dtype)
     return dspark.DSparkDrafter(num_draft or weights.config.max_num_draft, weights, target)
 
 
@@ -207,7 +207,14 @@ KINDS: dict[str, Kind] = {
             export_formats=("eagle", "speculators"),
         ),
         Kind("dflash", "dflash[:PATH]", _dflash, 0, train_task="train.dflash:DFlashTask", export_formats=("zlab",)),
-        Kind("dspark", "dspark[:PATH]", _dspark, 0, train_task="train.dspark:DSparkTask"),
+        Kind(
+            "dspark",
+            "dspark[:PATH]",
+            _dspark,
+            0,
+            train_task="train.dspark:DSparkTask",
+            export_formats=("speculators", "specforge"),
+        ),
     )
 }
 KNOWN = tuple(k.usage for k in KINDS.values())

@@ -25,12 +25,7 @@ Differences from DFlash (dflash.py, whose context, KV injection and commit it ke
   the shortest of `verify_lengths` that holds each row's L (rounding a stopping time up to a
   bucket keeps it one), and the row policy decides across the batch which rows verify at all.
 
-Published checkpoints: vLLM `speculators` DSpark directories (`speculators_model_type: dspark`,
-a Qwen3 `transformer_layer_config`, `aux_hidden_state_layer_ids`, `block_size`, `mask_token_id`,
-`markov_rank`, `enable_confidence_head`, `confidence_head_with_markov`; its layer id k is HF's
-`hidden_states[k]`, specjax's target layer k - 1; tensors as DFlash's plus
-`markov_head.markov_w{1,2}.weight`, `confidence_head.proj.{weight,bias}` and, for a draft
-vocabulary, `lm_head.weight`, `d2t` offsets, `t2d`); see `load_speculators`.
+Published checkpoints (vLLM `speculators`, SpecForge), in and out: dspark_formats.py.
 """
 
 from __future__ import annotations
@@ -46,8 +41,7 @@ from flax import nnx
 from specjax.drafters import checkpoint, dflash
 from specjax.drafters.base import Proposal, StepContext, draft_token
 from specjax.drafters.dflash import DFlash, DFlashConfig, DFlashDrafter, DFlashState, DFlashWeights
-from specjax.errors import DrafterError, ModelLoadError
-from specjax.models.config import LlamaConfig
+from specjax.errors import DrafterError
 from specjax.models.llama import linear
 
 KIND = "dspark"
@@ -122,12 +116,8 @@ def init_weights(cfg: DSparkConfig, d2t: np.ndarray | None = None, seed: int = 0
 
 
 def load(path: str, dtype=jnp.float32) -> DFlashWeights:
-    """A DSpark drafter from a specjax directory (`save` of dflash.py) or a speculators one."""
-    raw = checkpoint.read_config(path, None, "DSpark")
-    if raw.get("speculators_model_type") == KIND:
-        return load_speculators(path, raw, dtype)
-    if raw.get("drafter") != KIND:
-        raise DrafterError(f"{path}/config.json is neither a specjax nor a speculators DSpark config")
+    """A DSpark drafter from a specjax directory (`save` of dflash.py)."""
+    raw = checkpoint.read_config(path, KIND, "DSpark")
     cfg = DSparkConfig.from_dict(raw, f"{path}/{checkpoint.CONFIG_FILE}")
     arrays = checkpoint.read_tensors(path, "DSpark")
     return build_weights(cfg, arrays, arrays.pop("d2t", None), f"{path}/{checkpoint.WEIGHTS_FILE}", dtype)
@@ -136,70 +126,6 @@ def load(path: str, dtype=jnp.float32) -> DFlashWeights:
 def build_weights(cfg: DSparkConfig, arrays: dict, d2t, source: str, dtype) -> DFlashWeights:
     """`dflash.build_weights` of a `DSpark` network: params by NNX path, checked."""
     return dflash.build_weights(cfg, arrays, d2t, source, dtype, net_class=DSpark)
-
-
-def load_speculators(path: str, raw: dict, dtype) -> DFlashWeights:
-    """A speculators `DSparkDraftModel` directory (module doc for the layout)."""
-    from specjax.drafters.dflash_formats import backbone_from_hf
-    from specjax.drafters.eagle3_formats import _draft_map
-    from specjax.models.loading import _flatten
-    from specjax.models.loading.hf import open_checkpoint
-    from specjax.models.loading.mapping import checked_getter
-
-    source = f"DSpark drafter {path}"
-    if raw.get("markov_head_type", "vanilla") != "vanilla":
-        raise DrafterError(f"{source}: markov_head_type {raw['markov_head_type']!r} is not supported (vanilla only)")
-    if not raw.get("sample_from_anchor", True):
-        raise DrafterError(f"{source}: sample_from_anchor false is DFlash's block layout; load it as dflash")
-    tl = raw.get("transformer_layer_config") or {}
-    try:
-        lc = LlamaConfig.from_hf({**tl, "architectures": [], "model_type": "qwen3"})
-    except ModelLoadError as e:
-        raise DrafterError(f"{source}: drafter layers: {e}") from None
-    lc = LlamaConfig(**{**lc.to_dict(), "eos_token_ids": (), "bos_token_id": None})
-    v, n = lc.vocab_size, int(raw.get("draft_vocab_size") or lc.vocab_size)
-    ids, mask = raw.get("aux_hidden_state_layer_ids"), raw.get("mask_token_id")
-    if not ids or mask is None:
-        raise DrafterError(f"{source}: needs aux_hidden_state_layer_ids and mask_token_id")
-    if min(int(i) for i in ids) < 1:  # speculators' id k is HF hidden_states[k]: layer k - 1's output
-        raise DrafterError(f"{source}: aux_hidden_state_layer_ids {ids} include 0, the embedding output")
-    rank = int(raw.get("markov_rank", 256))
-    conf = bool(raw.get("enable_confidence_head", True))
-    try:
-        get, names = open_checkpoint(path)
-        own_head = "lm_head.weight" in names
-        cfg = DSparkConfig(
-            layers=lc,
-            target_layers=tuple(int(i) - 1 for i in ids),
-            target_num_layers=0,
-            block_size=int(raw.get("block_size", 8)),
-            mask_token_id=int(mask),
-            draft_vocab_size=0 if n == v and not own_head else n,
-            markov_rank=rank,
-            confidence=conf,
-            confidence_with_markov=bool(raw.get("confidence_head_with_markov", True)),
-            own_head=own_head,
-        )
-        read = {"d2t", "t2d", "embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight"}
-        fetch = checked_getter(lambda name: read.add(name) or get(name))
-        d = lc.hidden_size
-        pure = backbone_from_hf(cfg, fetch)
-        if rank:
-            pure["markov_w1"] = fetch("markov_head.markov_w1.weight", (v, rank))
-            pure["markov_w2"] = fetch("markov_head.markov_w2.weight", (cfg.head_size, rank))
-        if conf:
-            width = d + (rank if cfg.confidence_with_markov else 0)
-            pure["conf_w"] = fetch("confidence_head.proj.weight", (1, width))
-            pure["conf_b"] = fetch("confidence_head.proj.bias", (1,))
-        if own_head:
-            pure["head"] = fetch("lm_head.weight", (cfg.head_size, d))
-        d2t = _draft_map(get, names, n, v, source) if cfg.draft_vocab_size else None
-    except ModelLoadError as e:
-        raise DrafterError(f"{source}: {str(e).splitlines()[0]}") from None
-    extra = sorted(set(names) - read)
-    if extra:
-        raise DrafterError(f"{source}: tensors specjax's DSpark has no place for: {extra[:3]}")
-    return build_weights(cfg, dict(_flatten(pure)), d2t, source, dtype)
 
 
 class DSparkDrafter(DFlashDrafter):

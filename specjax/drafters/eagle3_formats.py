@@ -219,13 +219,35 @@ def _published_tensors(w: Eagle3Weights, fmt: str, embed, dtype) -> dict[str, np
         tensors["embed_tokens.weight"] = table
     tensors = {k: np.asarray(a if dtype is None else jnp.asarray(a, dtype)) for k, a in tensors.items()}
     ids = np.asarray(w.d2t, np.int64)  # [N] target id of each draft token
-    v, nd = cfg.target_vocab_size, cfg.draft_vocab_size
-    if nd != v or not np.array_equal(ids, np.arange(v)):
-        tensors["d2t"] = ids - np.arange(nd)
-        t2d = np.zeros(v, bool)
-        t2d[ids] = True
-        tensors["t2d"] = t2d
+    if cfg.draft_vocab_size != cfg.target_vocab_size or not np.array_equal(ids, np.arange(len(ids))):
+        tensors.update(draft_map_tensors(ids, cfg.target_vocab_size))
     return tensors
+
+
+def draft_map_tensors(ids: np.ndarray, v: int) -> dict[str, np.ndarray]:
+    """A draft vocabulary's target ids `[N]` as the published tensors: `d2t` offsets `[N]` (draft
+    token i is target token i + d2t[i]) and the `t2d` membership mask `[V]`."""
+    t2d = np.zeros(v, bool)
+    t2d[ids] = True
+    return {"d2t": ids - np.arange(len(ids)), "t2d": t2d}
+
+
+def proposal_config(algorithm: str, num_draft: int, verifier: dict | None) -> dict:
+    """A `speculators` config's `speculators_config`: greedy proposals of `num_draft` tokens and
+    the verifier {"name_or_path", "architectures"}."""
+    return {
+        "algorithm": algorithm,
+        "default_proposal_method": "greedy",
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": num_draft,
+                "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }
+        ],
+        "verifier": verifier or {"name_or_path": None, "architectures": ["LlamaForCausalLM"]},
+    }
 
 
 def _speculators_config(cfg, hf: dict, nd: int, num_draft: int, verifier: dict | None, dtype_name: str) -> dict:
@@ -242,19 +264,7 @@ def _speculators_config(cfg, hf: dict, nd: int, num_draft: int, verifier: dict |
         "norm_output": cfg.norm_output,
         "embed_requires_grad": False,
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layers],
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": num_draft,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "verifier": verifier or {"name_or_path": None, "architectures": ["LlamaForCausalLM"]},
-        },
+        "speculators_config": proposal_config("eagle3", num_draft, verifier),
         "dtype": dtype_name,
     }
 

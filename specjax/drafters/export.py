@@ -8,6 +8,8 @@
   `--speculative-draft-model-path` take.
 * DFlash -> `zlab`: z-lab's `DFlashDraftModel` layout (dflash_formats.py), what vLLM's and SGLang's
   `dflash` method loads.
+* DSpark -> `speculators` (vLLM) or `specforge` (SpecForge's `DSparkDraftModel`); see
+  dspark_formats.py.
 
 MTP modules trained by specjax have no published layout (published MTP layers live inside their
 target's checkpoint); asking for one is a one-line error.
@@ -62,19 +64,16 @@ def export_drafter(
         from specjax.drafters import dflash_formats
 
         return dflash_formats.export(drafter.weights, out_dir, jnp.dtype(dtype))
-    from specjax.drafters import eagle3_formats
-
-    meta = None
-    if fmt == "speculators":
-        name = verifier or (model_path if model_path and os.path.isdir(model_path) else None)
-        name = name or (DEFAULT_MODEL_HUB_ID if model_path is None else None)
-        if name is None:
-            raise DrafterError(
-                "--verifier NAME_OR_PATH is needed: a speculators checkpoint names its target "
-                "(a hub id or an HF directory)"
-            )
-        meta = {"name_or_path": name, "architectures": [target.config.to_hf()["architectures"][0]]}
     import jax.numpy as jnp
+
+    meta = _verifier(target, model_path, verifier) if fmt == "speculators" else None
+    if kind == "dspark":
+        from specjax.drafters import dspark_formats
+        from specjax.drafters.base import head_rows
+
+        head = head_rows(target.module().head_weight(), drafter.weights.d2t)  # [N, D] the rows it drafts from
+        return dspark_formats.export(drafter.weights, out_dir, fmt, head=head, verifier=meta, dtype=jnp.dtype(dtype))
+    from specjax.drafters import eagle3_formats
 
     return eagle3_formats.export(
         drafter.weights,
@@ -86,3 +85,15 @@ def export_drafter(
         dtype=jnp.dtype(dtype),
         max_positions=target.config.max_position_embeddings,
     )
+
+
+def _verifier(target, model_path: str | None, verifier: str | None) -> dict:
+    """The verifier a `speculators` config names: `verifier`, else the target's HF directory, else
+    the default model's hub id."""
+    name = verifier or (model_path if model_path and os.path.isdir(model_path) else None)
+    name = name or (DEFAULT_MODEL_HUB_ID if model_path is None else None)
+    if name is None:
+        raise DrafterError(
+            "--verifier NAME_OR_PATH is needed: a speculators checkpoint names its target (a hub id or an HF directory)"
+        )
+    return {"name_or_path": name, "architectures": [target.config.to_hf()["architectures"][0]]}
