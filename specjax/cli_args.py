@@ -411,6 +411,13 @@ def add_train_parser(sub, fn) -> None:
         help="only add the recipe's missing target replies to "
         "data.replies_dir (no features, no training): grows the corpus in parts",
     )
+    t.add_argument(
+        "--calibrate",
+        default=None,
+        metavar="DIR",
+        help="dspark: fit the confidence head's per-slot temperatures of the trained drafter in DIR on "
+        "the recipe's held-out replies and write them into DIR/config.json (no training)",
+    )
     t.set_defaults(fn=fn)
 
 

@@ -246,3 +246,46 @@ def test_greedy_dspark_with_scheduled_lengths_equals_plain(target_dir, target, t
         assert bool(proposal.active[0]) == (int(proposal.length[0]) > 0)
         lengths.append(int(proposal.length[0]))
     assert lengths[0] == BLOCK and lengths[-1] == 0 and lengths == sorted(lengths, reverse=True), lengths
+
+
+def test_calibrated_temperatures_scale_each_slots_confidence(target_dir, target, tmp_path):  # noqa: F811
+    """`confidence_temperatures` (sequential temperature scaling) divide slot j's confidence logit
+    by T_j, in specjax's own config (saved and loaded); bad ones are one line."""
+    import dataclasses
+
+    from specjax.drafters import dflash
+
+    speculators_dspark(target_dir, seed=3).save_pretrained(str(tmp_path / "src"))
+    base = make_drafter(f"dspark:{tmp_path / 'src'}", 0, target)
+    temps = (2.0, 0.5, 1.0, 4.0, 0.25)
+    cfg = dataclasses.replace(base.weights.config, confidence_temperatures=temps)
+    dflash.save(dataclasses.replace(base.weights, config=cfg), str(tmp_path / "ours"))
+    hot = make_drafter(f"dspark:{tmp_path / 'ours'}", 0, target)
+    assert hot.weights.config.confidence_temperatures == temps
+    tokens, last = np.array([3, 9, 27, 81, 50, 6, 18]), 54
+    hf = Qwen3ForCausalLM.from_pretrained(target_dir).eval()
+    with torch.no_grad():
+        hidden_states = [x.numpy() for x in hf(torch.as_tensor(tokens)[None], output_hidden_states=True).hidden_states]
+    ctx = StepContext(
+        jnp.asarray([[*tokens, last]], jnp.int32),
+        jnp.asarray([len(tokens) + 1]),
+        SamplingArrays.from_params([SamplingParams()]),
+        jnp.zeros((1,), jnp.uint32),
+        True,
+        jnp.asarray([True]),
+        False,
+    )
+    confs = []
+    for drafter in (base, hot):
+        dparams = drafter.params()
+        st, history = specjax_state(drafter, dparams, hidden_states, tokens, last)
+        h = drafter.block_hidden(dparams, st, history, jnp.asarray([len(tokens) + 1]), BLOCK)
+        draft, _, conf = drafter.draft_chain(dparams, h, jnp.asarray([last]), ctx)
+        confs.append(np.asarray(conf, np.float64)[0])
+    logit = np.log(confs[0]) - np.log1p(-confs[0])
+    assert np.allclose(confs[1], 1 / (1 + np.exp(-logit / np.asarray(temps))), rtol=1e-4)
+    raw = json.loads((tmp_path / "ours" / "config.json").read_text())
+    for bad, match in [([1.0, 2.0], "5 positive"), ([1, 1, 1, 1, -1], "5 positive"), ("hot", "list of numbers")]:
+        (tmp_path / "ours" / "config.json").write_text(json.dumps({**raw, "confidence_temperatures": bad}))
+        with pytest.raises(DrafterError, match=match):
+            make_drafter(f"dspark:{tmp_path / 'ours'}", 0, target)

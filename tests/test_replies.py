@@ -1,5 +1,5 @@
 """The corpus of regenerated replies (train/replies.py): grows across runs, survives a kill
-mid-write, refuses replies made under other settings."""
+mid-write, is safe to read while a run writes, refuses replies made under other settings."""
 
 import gzip
 import os
@@ -25,7 +25,9 @@ def test_replies_persist_by_prompt_across_runs(tmp_path):
     assert len(c) == 4 and c.get([1, 2, 3]) == ([1, 2, 3, 9, 9], 3)
 
 
-def test_a_batch_cut_by_a_kill_is_dropped_and_the_part_stays_appendable(tmp_path):
+def test_a_batch_cut_by_a_kill_is_skipped_and_no_reader_rewrites_a_part(tmp_path):
+    """A cut last member is a killed run's, or one a running job is still writing: readers skip it
+    and leave the file as it is (rewriting it would drop the running job's batch)."""
     a = Replies(str(tmp_path), *ARGS)
     a.add([([1, 2, 3], 2)])
     a.add([([4, 5, 6], 2)])
@@ -38,6 +40,7 @@ def test_a_batch_cut_by_a_kill_is_dropped_and_the_part_stays_appendable(tmp_path
     os.remove(tmp_path / "member.gz")
     b = Replies(str(tmp_path), *ARGS)
     assert len(b) == 1 and b.get([4, 5]) is None
+    assert part.read_bytes() == whole[:cut]
     b.add([([4, 5, 7], 2)])
     c = Replies(str(tmp_path), *ARGS)
     assert len(c) == 2 and c.get([4, 5]) == ([4, 5, 7], 2) and c.get([1, 2]) == ([1, 2, 3], 2)

@@ -3,7 +3,8 @@ loss drops and simulated acceptance rises (and DSpark's confidence head learns t
 acceptance rate), resume is exact, 4 host devices equal one (the random block anchors are seeded
 per global row), and the simulator's forecast along greedy decoding's path is the MAL the engine
 measures with the exported drafter, whose greedy output is the target's. DFlash alone: the trained
-drafter as a tree's spine, and the anchor draw."""
+drafter as a tree's spine, and the anchor draw. DSpark alone: its confidence temperatures, fitted
+on held-out rows and exported."""
 
 import numpy as np
 import pytest
@@ -84,6 +85,17 @@ def test_exported_drafter_is_lossless_and_the_forecast_holds(sharp_target, sharp
     engine_mal = sum(len(r.token_ids) - 1 for r in rows) / sum(r.steps for r in rows)
     sim = task.evaluate(params, sharp_store, max_rows=16)
     assert engine_mal > 1.3 and abs(sim["path_mal"] - engine_mal) < 0.12, (sim, engine_mal)
+
+
+@pytest.mark.parametrize("trained", ["dspark"], indirect=True)
+def test_calibrated_temperatures_are_fitted_on_held_out_rows_and_exported(sharp_target, sharp_store, trained, tmp_path):
+    _, task, params, _, _ = trained
+    report = task.calibrate(params, sharp_store)
+    assert len(report["temperatures"]) == 3 and min(report["fit_starts"], report["test_starts"]) > 200, report
+    assert np.mean(report["ece_after"]) <= np.mean(report["ece_before"]) + 0.01, report  # on the other half
+    task.export(params, str(tmp_path), metadata={"calibration": report})
+    drafter = make_drafter(f"dspark:{tmp_path}", 0, sharp_target)
+    assert np.allclose(drafter.weights.config.confidence_temperatures, report["temperatures"], atol=1e-4)
 
 
 @pytest.mark.parametrize("trained", ["dflash"], indirect=True)

@@ -111,13 +111,44 @@ def check_before_loading(recipe: Recipe) -> None:
         check_can_create_dir(recipe.data.replies_dir, "data.replies_dir")
 
 
+def split_store(target, recipe: Recipe, split: str, layers, console: Console, summary: dict):
+    """The FeatureStore of one split (`train` or `eval`): its sequences (regenerating missing
+    replies), then the target's features at `layers`; timings go into `summary`."""
+    from train.data import extract_features
+
+    t0 = time.perf_counter()
+    seqs = sequences(target, recipe, split, console)
+    t1 = time.perf_counter()
+    store = extract_features(
+        target,
+        seqs,
+        layers,
+        os.path.join(recipe.cache_dir, "features", split),
+        recipe.data.seq_len,
+        recipe.data.feature_batch_size,
+    )
+    t2 = time.perf_counter()
+    tokens = len(store) * recipe.data.seq_len
+    summary[f"{split}_data"] = {
+        "sequences": len(store),
+        "response_tokens": store.num_tokens(),
+        "sequence_seconds": t1 - t0,
+        "feature_seconds": t2 - t1,
+        "feature_tokens_per_second": tokens / max(store.meta["seconds"], 1e-9),
+    }
+    console.print(
+        f"{split}: {len(store)} sequences, {store.num_tokens()} response tokens, features "
+        f"{summary[f'{split}_data']['feature_tokens_per_second']:.0f} tok/s"
+    )
+    return store
+
+
 def run(
     recipe: Recipe, console: Console | None = None, stop_after: int | None = None, replies_only: bool = False
 ) -> dict:
     """The whole pipeline; returns a summary (also written to out_dir/summary.json).
     `replies_only`: stop once both splits' replies are in the corpus; returns their counts."""
     from specjax.models.loading import load_model
-    from train.data import extract_features
     from train.loop import fit
 
     console = console or Console(stderr=True)
@@ -130,33 +161,7 @@ def run(
     layers = feature_layers(recipe, target)
     argv = ["specjax", *sys.argv[1:]] if os.path.basename(sys.argv[0]) == "specjax" else sys.argv
     summary: dict = {"recipe": recipe.to_dict(), "command": " ".join(shlex.quote(a) for a in argv)}
-    stores = {}
-    for split in ("train", "eval"):
-        t0 = time.perf_counter()
-        seqs = sequences(target, recipe, split, console)
-        t1 = time.perf_counter()
-        store = extract_features(
-            target,
-            seqs,
-            layers,
-            os.path.join(recipe.cache_dir, "features", split),
-            recipe.data.seq_len,
-            recipe.data.feature_batch_size,
-        )
-        t2 = time.perf_counter()
-        tokens = len(store) * recipe.data.seq_len
-        summary[f"{split}_data"] = {
-            "sequences": len(store),
-            "response_tokens": store.num_tokens(),
-            "sequence_seconds": t1 - t0,
-            "feature_seconds": t2 - t1,
-            "feature_tokens_per_second": tokens / max(store.meta["seconds"], 1e-9),
-        }
-        console.print(
-            f"{split}: {len(store)} sequences, {store.num_tokens()} response tokens, features "
-            f"{summary[f'{split}_data']['feature_tokens_per_second']:.0f} tok/s"
-        )
-        stores[split] = store
+    stores = {split: split_store(target, recipe, split, layers, console, summary) for split in ("train", "eval")}
     task = make_task(recipe, target, stores["train"].counts)
     params = fit(
         task,
@@ -171,18 +176,17 @@ def run(
 
     log = read_log(recipe.out_dir)
     summary["final_eval"] = task.evaluate(params, stores["eval"])
+    if hasattr(task, "calibrate"):  # a confidence head (DSpark): per-slot temperatures, held-out replies
+        summary["calibration"] = task.calibrate(params, stores["eval"])
     summary["train_tokens_per_second"] = log[-1]["tokens_per_second"] if log else None
     summary["first_loss"], summary["last_loss"] = (log[0]["loss"], log[-1]["loss"]) if log else (None, None)
     if log and log[-1]["step"] == recipe.optim.steps:
         import jax.numpy as jnp
 
         dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[recipe.export_dtype]
-        out = task.export(
-            params,
-            os.path.join(recipe.out_dir, "drafter"),
-            dtype,
-            {"trained_with": summary["command"], "final_eval": summary["final_eval"]},
-        )
+        meta = {k: summary[k] for k in ("command", "final_eval", "calibration") if k in summary}
+        meta["trained_with"] = meta.pop("command")
+        out = task.export(params, os.path.join(recipe.out_dir, "drafter"), dtype, meta)
         summary["exported"] = out
         console.print(f"exported the drafter to {out} (use --drafter {recipe.drafter}:{out})")
     with open(os.path.join(recipe.out_dir, "summary.json"), "w") as fh:
@@ -196,9 +200,37 @@ def run(
     return summary
 
 
+def calibrate_drafter(recipe: Recipe, path: str, console: Console | None = None) -> dict:
+    """Fit the confidence temperatures of the specjax DSpark drafter at `path` on the recipe's
+    held-out replies (DSparkTask.calibrate) and write them into its config.json."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax.drafters import dspark
+    from specjax.drafters.checkpoint import CONFIG_FILE, read_config
+    from specjax.models.loading import load_model
+
+    if recipe.drafter != "dspark":
+        raise RecipeError(f"--calibrate: only DSpark has a confidence head, the recipe trains {recipe.drafter}")
+    console = console or Console(stderr=True)
+    raw = read_config(path, "dspark", "DSpark")
+    w = dspark.load(path, jnp.float32)
+    target = load_model(recipe.target, dtype="float32")
+    w.config.check_target(target.config, path)
+    store = split_store(target, recipe, "eval", w.config.target_layers, console, {})
+    task = make_task(recipe, target, np.ones(target.config.vocab_size, np.int64))
+    task.cfg, task.graphdef, task.d2t = w.config, w.graphdef, w.d2t
+    report = task.calibrate(w.params, store)
+    raw.update(confidence_temperatures=list(task.cfg.confidence_temperatures), calibration=report)
+    with open(os.path.join(path, CONFIG_FILE), "w") as fh:
+        json.dump(raw, fh)
+    console.print(f"calibrated {path}: {report}")
+    return report
+
+
 def main(a) -> int:
     """Entry from `specjax train` (argparse namespace: args = [DRAFTER] KEY=VALUE..., config, stop_after,
-    replies_only)."""
+    replies_only, calibrate)."""
     overrides = list(a.args)
     if not a.config and not overrides:
         raise RecipeError("train: give a recipe, e.g. `specjax train eagle3 --config configs/eagle3-smollm2.yaml`")
@@ -207,5 +239,8 @@ def main(a) -> int:
     if a.stop_after is not None and a.stop_after < 1:
         raise RecipeError(f"--stop-after must be >= 1, got {a.stop_after}")
     recipe = load_recipe(a.config, overrides)
+    if a.calibrate:
+        calibrate_drafter(recipe, a.calibrate)
+        return 0
     run(recipe, stop_after=a.stop_after, replies_only=a.replies_only)
     return 0

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from specjax.drafters.dspark import DSpark
 from specjax.models.llama import linear
+from train.calibration import sequential_temperature_scaling, survival_ece
 from train.common import chain_counts
 from train.common import shift_left as _shift_left
 from train.dflash import DFlashTask, block_states, draw_anchors, valid_anchors
@@ -80,20 +81,28 @@ def dspark_loss(
     }
 
 
-def simulate_acceptance(net: DSpark, batch: dict, head: jax.Array, d2t, embed: jax.Array, block: int):
-    """Greedy acceptance of the block's B drafts from every anchor: count `[B, T]` and valid
-    starts `[B, T]`."""
+def chain_view(net: DSpark, batch: dict, head: jax.Array, d2t, embed: jax.Array, block: int):
+    """The block's B drafts from every anchor, teacher-forced (the previous token of slot k is the
+    text's, which a greedy chain's drafts are while it lasts): whether each equals the target's
+    greedy token `[B, T, Bk]`, the confidence logits `[B, T, Bk]`, valid starts `[B, T]`."""
     tokens, mask, target_next = batch["tokens"], batch["mask"], batch["argmax"]  # [B, T] each
     b, t = tokens.shape
     anc = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))  # [B, T] every position
     hs = block_states(net, batch["hidden"], tokens, anc, embed, block)  # [B, T, Bk, D]
     prev = jnp.stack([_shift_left(tokens, i) for i in range(block)], axis=-1)  # [B, T, Bk] x_{a+k}
-    z, _ = slot_logits(net, hs, prev, head)  # [B, T, Bk, N]
+    z, conf = slot_logits(net, hs, prev, head)  # [B, T, Bk, N], [B, T, Bk]
     drafts = jnp.argmax(z, axis=-1)  # [B, T, Bk]
     drafts = drafts if d2t is None else jnp.take(d2t, drafts)
-    hits = [drafts[:, :, i] == _shift_left(target_next, i) for i in range(block)]  # target argmax at a + i
+    hits = jnp.stack([drafts[:, :, i] == _shift_left(target_next, i) for i in range(block)], axis=-1)  # [B, T, Bk]
     starts = valid_anchors(mask) & (jnp.arange(t) + block + 1 < t)[None]
-    return chain_counts(hits), starts
+    return hits, conf, starts
+
+
+def simulate_acceptance(net: DSpark, batch: dict, head: jax.Array, d2t, embed: jax.Array, block: int):
+    """Greedy acceptance of the block's B drafts from every anchor: count `[B, T]` and valid
+    starts `[B, T]`."""
+    hits, _, starts = chain_view(net, batch, head, d2t, embed, block)
+    return chain_counts([hits[..., i] for i in range(block)]), starts
 
 
 class DSparkTask(DFlashTask):
@@ -159,3 +168,38 @@ class DSparkTask(DFlashTask):
             self.gamma,
             *self.weights,
         )
+
+    def calibrate(self, params, store, max_rows: int = 64, batch_size: int = 4) -> dict:
+        """Fit the confidence head's per-slot temperatures by sequential temperature scaling
+        (train/calibration.py) on the first half of `store`'s rows (held-out replies), against
+        greedy acceptance; report the survival ECE per slot on the other half before and after.
+        The temperatures go into this task's config, so `export` writes them."""
+        import dataclasses
+
+        import numpy as np
+
+        if not self.cfg.confidence:
+            return {}
+        if not hasattr(self, "_chain"):
+            self._chain = jax.jit(
+                lambda p, f, b: chain_view(self.net(p), b, f["head"], f["d2t"], f["embed"], self.cfg.block_size)
+            )
+        frozen, rows = self.frozen(), min(len(store), max_rows)
+        parts = []  # per row: (confidence logits [S, Bk], hits [S, Bk]) at its valid starts
+        for s in range(0, rows, batch_size):
+            b = store.batch(np.arange(s, min(s + batch_size, rows)))
+            names = ("tokens", "mask", "argmax", "hidden")
+            hits, conf, starts = map(np.asarray, self._chain(params, frozen, {n: jnp.asarray(b[n]) for n in names}))
+            parts += [(c[ok], h[ok]) for c, h, ok in zip(conf, hits, starts)]
+        half = max(len(parts) // 2, 1)
+        fit_z, fit_y = (np.concatenate(x) for x in zip(*parts[:half]))
+        test_z, test_y = (np.concatenate(x) for x in zip(*(parts[half:] or parts[:half])))
+        temps = sequential_temperature_scaling(fit_z, fit_y)
+        self.cfg = dataclasses.replace(self.cfg, confidence_temperatures=tuple(temps))
+        return {
+            "temperatures": [round(t, 4) for t in temps],
+            "ece_before": [round(e, 4) for e in survival_ece(test_z, test_y, [1.0] * len(temps))],
+            "ece_after": [round(e, 4) for e in survival_ece(test_z, test_y, temps)],
+            "fit_starts": len(fit_z),
+            "test_starts": len(test_z),
+        }

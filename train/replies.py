@@ -9,9 +9,10 @@ the repository (`train/replies/<target>/`), so the data accumulates across machi
 Layout: `meta.json` (what a reply depends on: the target, the reply cap, the parameter dtype,
 greedy decoding) and `part-NNNN.jsonl.gz` files, each written by one run, one gzip member per
 generated batch, one line per sequence: `{"ids": prompt + reply token ids, "prompt_len": n}`. A
-kill mid-batch leaves a cut last member: it is dropped (and regenerated) on the next open. Parts
-are never rewritten once complete, so adding data is adding files. A prompt's key is its token
-ids, so a changed chat template or tokenizer misses rather than mixes.
+kill mid-batch leaves a cut last member: readers skip it (its replies are regenerated into the
+next run's part). Each run appends only to the part it created, and no reader rewrites a part, so
+runs and readers may share a corpus at the same time; adding data is adding files. A prompt's key
+is its token ids, so a changed chat template or tokenizer misses rather than mixes.
 
 Cost: ~1 MB per million stored tokens (prompt + reply, gzip of JSON; 342k tokens in 0.32 MB).
 """
@@ -85,11 +86,7 @@ class Replies:
             if not (name.startswith("part-") and name.endswith(".jsonl.gz")):
                 continue
             part = os.path.join(path, name)
-            rows, intact = _read_part(part)
-            if not intact:  # cut by a kill: keep what is whole, so later appends stay readable
-                with gzip.open(part + ".tmp", "wt", compresslevel=9) as fh:
-                    _write_rows(fh, rows)
-                os.replace(part + ".tmp", part)
+            rows, _ = _read_part(part)  # a cut tail (a killed run, or one still writing) is skipped
             for ids, p in rows:
                 self.rows.setdefault(_key(ids[:p]), (ids, p))
         self._part: str | None = None

@@ -53,6 +53,9 @@ class DSparkConfig(DFlashConfig):
     confidence: bool = True  # a confidence head
     confidence_with_markov: bool = True  # the confidence head also reads W1[prev]
     own_head: bool = False  # the drafter stores its head rows (speculators' reduced-vocabulary lm_head)
+    # Per-slot temperatures of the confidence logits (sequential temperature scaling, fitted on
+    # held-out replies by `specjax train dspark`; train/dspark.py); () = the head as trained.
+    confidence_temperatures: tuple[float, ...] = ()
 
     @property
     def max_num_draft(self) -> int:
@@ -65,12 +68,27 @@ class DSparkConfig(DFlashConfig):
     def to_dict(self) -> dict[str, Any]:
         return {**super().to_dict(), "drafter": KIND}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "DSparkConfig":
+        cfg = super().from_dict(d, source)
+        try:
+            temps = tuple(float(t) for t in cfg.confidence_temperatures)
+        except (TypeError, ValueError):
+            raise DrafterError(f"{source}: confidence_temperatures must be a list of numbers") from None
+        return dataclasses.replace(cfg, confidence_temperatures=temps)
+
     def check(self, source: str) -> None:
         super().check(source)
         if self.markov_rank < 0:
             raise DrafterError(f"{source}: markov_rank must be >= 0, got {self.markov_rank}")
         if self.confidence and self.confidence_with_markov and not self.markov_rank:
             raise DrafterError(f"{source}: a confidence head that reads the Markov embedding needs markov_rank > 0")
+        temps = self.confidence_temperatures
+        if temps and (len(temps) != self.block_size or min(temps) <= 0):
+            raise DrafterError(
+                f"{source}: confidence_temperatures must be {self.block_size} positive numbers "
+                f"(one per slot), got {temps}"
+            )
 
 
 class DSpark(DFlash):
@@ -103,11 +121,13 @@ class DSpark(DFlash):
         x = jnp.concatenate([h, e], axis=-1) if self.cfg.confidence_with_markov else h  # [..., D (+ r)]
         return linear(self.conf_w[...], x, jnp.float32)[..., 0] + self.conf_b[...][0]
 
-    def confidence(self, h: jax.Array, e: jax.Array | None) -> jax.Array:
-        """P(draft survives | the earlier ones did) `[...]` (1 without a confidence head)."""
+    def confidence(self, h: jax.Array, e: jax.Array | None, slot: int) -> jax.Array:
+        """P(draft `slot` survives | the earlier ones did) `[...]`, with the slot's calibrated
+        temperature (1 without a confidence head)."""
         if not self.cfg.confidence:
             return jnp.ones(h.shape[:-1], jnp.float32)
-        return jax.nn.sigmoid(self.confidence_logit(h, e))
+        temps = self.cfg.confidence_temperatures
+        return jax.nn.sigmoid(self.confidence_logit(h, e) / (temps[slot] if temps else 1.0))
 
 
 def init_weights(cfg: DSparkConfig, d2t: np.ndarray | None = None, seed: int = 0, dtype=jnp.float32) -> DFlashWeights:
@@ -162,7 +182,7 @@ class DSparkDrafter(DFlashDrafter):
                 ctx.sampling,
                 ctx.all_greedy,
             )  # [B], [B, V]
-            confs.append(net.confidence(h[:, j], e))  # [B]
+            confs.append(net.confidence(h[:, j], e, j))  # [B]
             drafts.append(tok)
             qs.append(q)
             prev = tok
