@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from specjax.drafters.dspark import DSpark
 from specjax.models.llama import linear
-from train.calibration import sequential_temperature_scaling, survival_ece
+from train.calibration import fit_temperatures
 from train.common import chain_counts
 from train.common import shift_left as _shift_left
 from train.dflash import DFlashTask, block_states, draw_anchors, valid_anchors
@@ -170,10 +170,10 @@ class DSparkTask(DFlashTask):
         )
 
     def calibrate(self, params, store, max_rows: int = 64, batch_size: int = 4) -> dict:
-        """Fit the confidence head's per-slot temperatures by sequential temperature scaling
-        (train/calibration.py) on the first half of `store`'s rows (held-out replies), against
-        greedy acceptance; report the survival ECE per slot on the other half before and after.
-        The temperatures go into this task's config, so `export` writes them."""
+        """Sequential temperature scaling of the confidence head on `store`'s rows (held-out
+        replies), against greedy acceptance (train/calibration.fit_temperatures: adopted only when
+        it lowers the cross-validated survival ECE). Adopted temperatures go into this task's
+        config, so `export` writes them."""
         import dataclasses
 
         import numpy as np
@@ -191,15 +191,6 @@ class DSparkTask(DFlashTask):
             names = ("tokens", "mask", "argmax", "hidden")
             hits, conf, starts = map(np.asarray, self._chain(params, frozen, {n: jnp.asarray(b[n]) for n in names}))
             parts += [(c[ok], h[ok]) for c, h, ok in zip(conf, hits, starts)]
-        half = max(len(parts) // 2, 1)
-        fit_z, fit_y = (np.concatenate(x) for x in zip(*parts[:half]))
-        test_z, test_y = (np.concatenate(x) for x in zip(*(parts[half:] or parts[:half])))
-        temps = sequential_temperature_scaling(fit_z, fit_y)
-        self.cfg = dataclasses.replace(self.cfg, confidence_temperatures=tuple(temps))
-        return {
-            "temperatures": [round(t, 4) for t in temps],
-            "ece_before": [round(e, 4) for e in survival_ece(test_z, test_y, [1.0] * len(temps))],
-            "ece_after": [round(e, 4) for e in survival_ece(test_z, test_y, temps)],
-            "fit_starts": len(fit_z),
-            "test_starts": len(test_z),
-        }
+        report = fit_temperatures(parts)
+        self.cfg = dataclasses.replace(self.cfg, confidence_temperatures=tuple(report["temperatures"]))
+        return report
