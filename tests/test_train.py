@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 
@@ -14,7 +15,7 @@ import pytest
 
 from helpers import REPO, SHARP_LAYERS, four_device_losses, specjax_cli_cmd
 from train.config import RecipeError, load_recipe
-from train.data import extract_features
+from train.data import FeatureStore, extract_features
 from train.eagle3 import Eagle3Task
 from train.loop import OptimConfig, batch_indices, fit, read_log
 
@@ -156,6 +157,55 @@ def test_final_hidden_readers_reuse_a_richer_store(sharp_target, sharp_seqs, sha
     assert again.layers == LAYERS and os.path.getmtime(os.path.join(sharp_store.path, "final.npy")) == stamp
     other = extract_features(sharp_target, sharp_seqs[:4], (), sharp_store.path + "-other", 32)
     assert other.layers == () and len(other) == 4
+
+
+EXTRACT_SCRIPT = """
+import json, sys, time
+from specjax.models.loading import load_model
+from train.data import FeatureStore, extract_features
+target_dir, seqs_path, out, pause = sys.argv[1:]
+seqs = [tuple(s) for s in json.load(open(seqs_path))]
+model = load_model(target_dir, "float32", quiet=True)
+ran = []  # sequences this run extracted
+extract_features(model, seqs, (0, 2), out, 48, 2, on_batch=lambda n, t: ran.append(n) or time.sleep(float(pause)))
+print(sum(ran))
+"""
+
+
+def test_killed_feature_extraction_resumes_to_the_same_store(tiny_target_dir, tmp_path):
+    """SIGKILL a real extraction mid-run, rerun it: it goes on from the sequences it had written
+    (not from the start) and the store equals an uninterrupted extraction's, array for array."""
+    rng = np.random.RandomState(1)
+    seqs = [(rng.randint(5, 250, 30).tolist(), 10) for _ in range(24)]
+    (tmp_path / "seqs.json").write_text(json.dumps(seqs))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+
+    def cmd(out, pause):
+        args = [tiny_target_dir, str(tmp_path / "seqs.json"), str(tmp_path / out), str(pause)]
+        return [sys.executable, "-c", EXTRACT_SCRIPT, *args]
+
+    ref = subprocess.run(cmd("ref", 0), env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    proc = subprocess.Popen(cmd("run", 0.5), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    meta = tmp_path / "run" / "meta.json"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if meta.exists() and json.loads(meta.read_text()).get("done", 0) >= 6:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the extraction finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = json.loads(meta.read_text())["done"]
+    assert 6 <= done < 24 and not json.loads(meta.read_text())["complete"]
+    again = subprocess.run(cmd("run", 0), env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert int(again.stdout.split()[-1]) == 24 - done  # only what the killed run had not written
+    a, b = FeatureStore(str(tmp_path / "ref")), FeatureStore(str(tmp_path / "run"))
+    assert a.meta["response_tokens"] == b.meta["response_tokens"] == 24 * 20
+    for name in a.arrays:
+        assert np.array_equal(np.asarray(a.arrays[name]), np.asarray(b.arrays[name])), name
+    assert np.array_equal(a.counts, b.counts)
 
 
 def test_simulated_path_mal_is_the_engines_greedy_mal(default_model, tmp_path):

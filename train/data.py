@@ -17,8 +17,10 @@ of holding gigabytes in RAM or re-running the 30-layer target every epoch:
     next token at each position), final [N, T, D] (final normed hidden), hidden [N, n, T, D]
     (outputs of `layers`), counts [V] int64 (response-token frequencies, for the draft vocab).
 
-Cost: (n + 1) * D * 2 bytes per token, e.g. 4.6 KB per token for EAGLE-3 on SmolLM2-135M
-(n = 3, D = 576): 1.4 GB per 300k tokens.
+Cost: (n + 1) * D * 2 bytes per stored position (prompt, reply and padding to `seq_len`), e.g.
+4.6 KB for EAGLE-3 on SmolLM2-135M (n = 3, D = 576): 4.6 GB per million positions, ~9 GB per
+million reply tokens at the recipes' padding (seq_len 288, ~140-token replies). An extraction is
+resumable (`extract_features`).
 """
 
 from __future__ import annotations
@@ -161,10 +163,14 @@ def extract_features(
 
     Reuses a complete store of the same sequences instead of recomputing it when it keeps the
     same layers, or any layers when `layers` is empty (readers of the final hidden state only).
+    Resumes a store of the same extraction that a killed run left incomplete: `meta.json` records
+    how many sequences are written (after their arrays are flushed), and the next run goes on
+    from there, so a kill costs at most one batch.
     """
     os.makedirs(out_dir, exist_ok=True)
     meta_path = os.path.join(out_dir, META)
     digest = _digest(seqs, seq_len, model.name)
+    old = {}
     if os.path.exists(meta_path):
         with open(meta_path) as fh:
             old = json.load(fh)
@@ -175,13 +181,17 @@ def extract_features(
         ):
             return FeatureStore(out_dir)
     n, d, v = len(seqs), model.config.hidden_size, model.config.vocab_size
+    meta = {"digest": digest, "layers": list(layers), "seq_len": seq_len, "num_sequences": n, "target": model.name}
+    resume = not old.get("complete") and all(old.get(k) == meta[k] for k in meta)
+    done = int(old.get("done", 0)) if resume else 0
     mm = lambda name, shape, dtype: np.lib.format.open_memmap(  # noqa: E731
-        os.path.join(out_dir, f"{name}.npy"), mode="w+", dtype=dtype, shape=shape
+        os.path.join(out_dir, f"{name}.npy"), mode="r+" if resume else "w+", dtype=dtype, shape=shape
     )
     tokens, mask = mm("tokens", (n, seq_len), np.int32), mm("mask", (n, seq_len), np.bool_)
     argmax = mm("argmax", (n, seq_len), np.int32)
     final = mm("final", (n, seq_len, d), np.uint16)
     hidden = mm("hidden", (n, len(layers), seq_len, d), np.uint16)
+    arrays = (tokens, mask, argmax, final, hidden)
     counts = np.zeros(v, np.int64)
     for i, (ids, plen) in enumerate(seqs):
         ids = ids[:seq_len]
@@ -189,14 +199,21 @@ def extract_features(
         mask[i, plen : len(ids)] = True
         np.add.at(counts, np.asarray(ids[plen:], np.int64), 1)
 
+    def record(**extra):
+        with open(meta_path + ".tmp", "w") as fh:
+            json.dump({**meta, **extra}, fh)
+        os.replace(meta_path + ".tmp", meta_path)
+
     @jax.jit
     def run(params, toks):
         m = nnx.merge(model.graphdef, params)
         h, _, coll = m.hidden(toks, m.new_cache(toks.shape[0], seq_len), feature_layers=layers, fresh=True)
         return h, coll, jnp.argmax(m.logits(h), axis=-1).astype(jnp.int32)
 
-    t0 = time.perf_counter()
-    for s in range(0, n, batch_size):
+    t0 = time.perf_counter() - float(old.get("seconds", 0.0) if resume else 0.0)
+    if not resume:
+        record(complete=False, done=0, seconds=0.0)  # the arrays no longer hold an older store
+    for s in range(done, n, batch_size):
         e = min(s + batch_size, n)
         toks = np.zeros((batch_size, seq_len), np.int32)
         toks[: e - s] = tokens[s:e]
@@ -205,25 +222,15 @@ def extract_features(
         if layers:  # drafters that read only the final hidden (MTP, draft model) store none
             hidden[s:e] = _bf16_bits(jnp.transpose(coll, (1, 0, 2, 3))[: e - s])
         argmax[s:e] = np.asarray(am[: e - s])
+        for a in arrays:
+            a.flush()
+        record(complete=False, done=e, seconds=time.perf_counter() - t0)
         if on_batch:
             on_batch(e - s, int(mask[s:e].sum()))
-    for a in (tokens, mask, argmax, final, hidden):
+    for a in arrays:
         a.flush()
     np.save(os.path.join(out_dir, "counts.npy"), counts)
-    with open(meta_path, "w") as fh:
-        json.dump(
-            {
-                "complete": True,
-                "digest": digest,
-                "layers": list(layers),
-                "seq_len": seq_len,
-                "num_sequences": n,
-                "response_tokens": int(np.asarray(mask).sum()),
-                "seconds": time.perf_counter() - t0,
-                "target": model.name,
-            },
-            fh,
-        )
+    record(complete=True, response_tokens=int(np.asarray(mask).sum()), seconds=time.perf_counter() - t0)
     return FeatureStore(out_dir)
 
 
