@@ -367,3 +367,4 @@ def test_load_sweep_point_and_summary(engine, target, prompts):
         assert p["k_changes"] == sum(d["kind"] == "k" for d in p["decisions"])
     summary = loadbench.summarize(points)
     assert [s["clients"] for s in summary] == [1, 2] and all("rules_vs_best_fixed" in s for s in summary)
+    loadbench.print_points({"model": "tiny", "drafter": "ngram", "ks": [3], "buckets": [1, 2], "points": points})

@@ -199,17 +199,8 @@ def extract_features(
         mask[i, plen : len(ids)] = True
         np.add.at(counts, np.asarray(ids[plen:], np.int64), 1)
 
-    def record(**extra):
-        with open(meta_path + ".tmp", "w") as fh:
-            json.dump({**meta, **extra}, fh)
-        os.replace(meta_path + ".tmp", meta_path)
-
-    @jax.jit
-    def run(params, toks):
-        m = nnx.merge(model.graphdef, params)
-        h, _, coll = m.hidden(toks, m.new_cache(toks.shape[0], seq_len), feature_layers=layers, fresh=True)
-        return h, coll, jnp.argmax(m.logits(h), axis=-1).astype(jnp.int32)
-
+    record = lambda **extra: _write_json(meta_path, {**meta, **extra})  # noqa: E731
+    run = _feature_pass(model, layers, seq_len)
     t0 = time.perf_counter() - float(old.get("seconds", 0.0) if resume else 0.0)
     if not resume:
         record(complete=False, done=0, seconds=0.0)  # the arrays no longer hold an older store
@@ -232,6 +223,26 @@ def extract_features(
     np.save(os.path.join(out_dir, "counts.npy"), counts)
     record(complete=True, response_tokens=int(np.asarray(mask).sum()), seconds=time.perf_counter() - t0)
     return FeatureStore(out_dir)
+
+
+def _feature_pass(model: Model, layers: tuple[int, ...], seq_len: int):
+    """jit(params, tokens `[B, T]`) -> (final hidden `[B, T, D]`, features `[n, B, T, D]`,
+    the target's greedy next token `[B, T]`) of one fresh prefill."""
+
+    @jax.jit
+    def run(params, toks):
+        m = nnx.merge(model.graphdef, params)
+        h, _, coll = m.hidden(toks, m.new_cache(toks.shape[0], seq_len), feature_layers=layers, fresh=True)
+        return h, coll, jnp.argmax(m.logits(h), axis=-1).astype(jnp.int32)
+
+    return run
+
+
+def _write_json(path: str, obj: dict) -> None:
+    """Replace `path` with `obj` as JSON, atomically (a kill leaves the old file or the new one)."""
+    with open(path + ".tmp", "w") as fh:
+        json.dump(obj, fh)
+    os.replace(path + ".tmp", path)
 
 
 def _digest(seqs, seq_len, name) -> str:

@@ -131,20 +131,13 @@ def run_batch(cfg: BatchConfig) -> dict:
     model = get_model(cfg.model, cfg.dtype)
     # a bad drafter spec or tree shape fails before any work
     drafters = draft_variants(cfg.drafter, cfg.num_draft, model, cfg.tree_topk, cfg.tree_depth)
-    drafter = drafters[max(drafters)]
     mesh = sharding.make_mesh(sizes)
     model = sharding.place_model(model, mesh)
     sampled = any(isinstance(r, JobRow) and not r.sampling.greedy for r in mine)
     settings = job_settings(cfg, model, defaults, sampled)
     job_file = job_path(out_path)
     check_job_settings(job_file, settings, out_path)
-    policy = BatchPolicy(
-        cfg.spec_policy,
-        tuple(drafters),
-        drafter.tree_label(cfg.drafter or "none"),
-        policy_path(out_path),
-        str(cfg.num_draft) if len(drafters) > 1 else None,
-    )
+    policy = _batch_policy(cfg, drafters, out_path)
     # Rows already written are tokenized too: their lengths place them in their batch.
     checked = [tokenize(model, r, cfg.raw) if isinstance(r, JobRow) else r for r in mine]
     rows = [r for r in checked if isinstance(r, JobRow)]
@@ -189,6 +182,19 @@ def run_batch(cfg: BatchConfig) -> dict:
     if n_proc > 1:
         finish_part(cfg, out_path, lines, summary, settings)
     return summary
+
+
+def _batch_policy(cfg: BatchConfig, drafters: dict, out_path: str) -> BatchPolicy:
+    """The job's speculation policy over its drafter variants (K -> drafter), its decisions kept
+    next to the results (reproducible on resume)."""
+    drafter = drafters[max(drafters)]
+    return BatchPolicy(
+        cfg.spec_policy,
+        tuple(drafters),
+        drafter.tree_label(cfg.drafter or "none"),
+        policy_path(out_path),
+        str(cfg.num_draft) if len(drafters) > 1 else None,
+    )
 
 
 def _read_share(cfg: BatchConfig, defaults) -> tuple[list, list]:

@@ -386,16 +386,7 @@ def run_preset(
     checks = run_checks(p, model_path, budget, log)
     bws.append(device_copy_bandwidth_gbs(p.copy_bytes))
     bw = statistics.median(bws)
-    for m in models:  # the final bandwidth figure for every model
-        m["roofline_tokens_per_second"] = bw * 1e9 / m["weight_bytes"]
-        m["roofline_fraction"] = m["decode_tokens_per_second"] / m["roofline_tokens_per_second"]
-    for r in sampler_rows or []:
-        if "seconds" in r and r["implementation"] != "auto" and r["batch_size"] == 1 and "fallback_for" not in r:
-            r["fraction_of_verify"] = {
-                m["name"]: r["seconds"] / m["forward_seconds"][str(r["num_draft"] + 1)]
-                for m in models
-                if str(r["num_draft"] + 1) in m["forward_seconds"]
-            }
+    _relate(models, sampler_rows or [], bw)
     report = {
         "kind": "accel",
         "preset": name,
@@ -420,6 +411,21 @@ def run_preset(
     print_summary(report, out)
     out.print(f"full JSON: {path}")
     return report
+
+
+def _relate(models: list[dict], sampler_rows: list[dict], bw: float) -> None:
+    """Add the figures that relate measurements: each model's roofline at the final bandwidth
+    `bw` (GB/s), and each sampler row's time as a fraction of a K + 1 verify of each model."""
+    for m in models:
+        m["roofline_tokens_per_second"] = bw * 1e9 / m["weight_bytes"]
+        m["roofline_fraction"] = m["decode_tokens_per_second"] / m["roofline_tokens_per_second"]
+    for r in sampler_rows:
+        if "seconds" in r and r["implementation"] != "auto" and r["batch_size"] == 1 and "fallback_for" not in r:
+            r["fraction_of_verify"] = {
+                m["name"]: r["seconds"] / m["forward_seconds"][str(r["num_draft"] + 1)]
+                for m in models
+                if str(r["num_draft"] + 1) in m["forward_seconds"]
+            }
 
 
 def print_summary(report: dict, console=None) -> None:

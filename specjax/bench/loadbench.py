@@ -222,8 +222,6 @@ def run_sweep(
     repeats: int = 1,
     log=None,
 ) -> dict:
-    from rich.console import Console
-    from rich.table import Table
 
     from specjax.server.scheduler import build_scheduler
 
@@ -259,9 +257,23 @@ def run_sweep(
         "points": points,
         "summary": summarize(points),
     }
-    table = Table(
-        title=f"serve-bench: {model.name}, drafter {drafter}, K in {list(engine.ks)}, buckets {list(engine.buckets)}"
-    )
+    print_points(result)
+    for s in result["summary"]:
+        parts = [f"{k} {v:.3f}" for k, v in s.items() if k.startswith("rules_vs") or (k == "noise" and v)]
+        say(f"{s['clients']} clients: " + (", ".join(parts) or "(rules not run)"))
+    if json_out:
+        with open(json_out, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return result
+
+
+def print_points(result: dict) -> None:
+    """serve-bench's table of load points (clients x mode), to stderr."""
+    from rich.console import Console
+    from rich.table import Table
+
+    r = result
+    table = Table(title=f"serve-bench: {r['model']}, drafter {r['drafter']}, K in {r['ks']}, buckets {r['buckets']}")
     for col in (
         "clients",
         "mode",
@@ -275,7 +287,7 @@ def run_sweep(
     ):
         table.add_column(col)
     fmt = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
-    for p in points:
+    for p in result["points"]:
         table.add_row(
             str(p["clients"]),
             p["mode"],
@@ -288,10 +300,3 @@ def run_sweep(
             " ".join(f"{k}:{v}" for k, v in p["steps_by_k"].items()),
         )
     Console(file=sys.stderr, width=150).print(table)
-    for s in result["summary"]:
-        parts = [f"{k} {v:.3f}" for k, v in s.items() if k.startswith("rules_vs") or (k == "noise" and v)]
-        say(f"{s['clients']} clients: " + (", ".join(parts) or "(rules not run)"))
-    if json_out:
-        with open(json_out, "w") as fh:
-            json.dump(result, fh, indent=1)
-    return result

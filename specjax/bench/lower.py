@@ -150,8 +150,6 @@ def lower_loop(
     """Export prefill and the decode loop for `platform` ("tpu" | "cuda" | "cpu"). Returns
     {"prefill": report, "decode": report}, each report {"ok", "custom_calls", "host_callbacks"}
     or {"ok": False, "error": the first line}."""
-    from jax import export
-
     from specjax.policy.rows import AUTO, new_policy
     from specjax.runtime.engine import Engine, _decode, _prefill
     from specjax.sampling import SamplingArrays, SamplingParams
@@ -160,19 +158,9 @@ def lower_loop(
         raise SpecjaxError(f"--shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     dt = jnp.dtype(dtype)
     k = num_draft if drafter != "none" else 0
-    out = {}
     with lowering_for(platform):
         target = abstract_model(shape, SHAPES[shape], dt)
-        if drafter == "none":
-            from specjax.drafters.base import NoDrafter
-
-            d, dparams = NoDrafter(), {}
-        else:
-            build, wparams = _drafter_factory(drafter, k, target, dt)
-            d = build(target, wparams)
-            dparams = jax.eval_shape(
-                lambda tp, wp: build(dataclasses.replace(target, params=tp), wp).params(), target.params, wparams
-            )
+        d, dparams = _abstract_drafter(drafter, k, target, dt)
         b = batch_size
         t, s = Engine(target).shapes([prompt_len] * b, max_new, k)
         sds = jax.ShapeDtypeStruct
@@ -211,19 +199,38 @@ def lower_loop(
                 ),
             ),
         }
-        checks = [
-            export.DisabledSafetyCheck.custom_call(n)
-            for n in ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu_v2", "mosaic_gpu")
-        ]
-        for name, (fn, a) in args.items():
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    out[name] = _report(export.export(fn, platforms=[platform], disabled_checks=checks)(*a))
-            except Exception as err:  # the report names the first failure; no traceback
-                first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-                out[name] = {"ok": False, "error": f"{type(err).__name__}: {first[:300]}"}
-    return out
+        return {name: _export(fn, a, platform) for name, (fn, a) in args.items()}
+
+
+def _abstract_drafter(drafter: str, k: int, target, dt):
+    """(drafter, abstract drafter params) of kind `drafter` with K = `k` for the abstract target."""
+    if drafter == "none":
+        from specjax.drafters.base import NoDrafter
+
+        return NoDrafter(), {}
+    build, wparams = _drafter_factory(drafter, k, target, dt)
+    dparams = jax.eval_shape(
+        lambda tp, wp: build(dataclasses.replace(target, params=tp), wp).params(), target.params, wparams
+    )
+    return build(target, wparams), dparams
+
+
+def _export(fn, args, platform: str) -> dict:
+    """`_report` of `fn` exported for `platform` at abstract `args`, or {"ok": False, "error"}
+    naming the first failure (no traceback)."""
+    from jax import export
+
+    checks = [
+        export.DisabledSafetyCheck.custom_call(n)
+        for n in ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu_v2", "mosaic_gpu")
+    ]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return _report(export.export(fn, platforms=[platform], disabled_checks=checks)(*args))
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return {"ok": False, "error": f"{type(err).__name__}: {first[:300]}"}
 
 
 def run(

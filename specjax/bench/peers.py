@@ -274,6 +274,26 @@ def peer_prompt_runs(n_configs: int, suite_ids: dict[str, list], n_temperatures:
     return n_configs * n_temperatures * sum(1 + repeats * len(ids) for ids in suite_ids.values())
 
 
+def _peer_row(peer, c, label: str, suite: str, temp: float, prompts: int, figures, warm: float) -> dict:
+    """One peer configuration's result row from its repeats' (tokens, seconds) `figures`."""
+    return {
+        "peer": peer.name,
+        "method": c.method,
+        "drafter": c.drafter,
+        "label": label,
+        "num_draft": c.num_draft,
+        "suite": suite,
+        "temperature": temp,
+        "batch_size": 1,
+        "prompts": prompts,
+        "tokens": statistics.median(t for t, _ in figures),
+        "tokens_per_second": statistics.median(t / s for t, s in figures),
+        "tokens_per_second_repeats": [t / s for t, s in figures],
+        "warmup_seconds": warm,
+        "threads": peer.threads,
+    }
+
+
 def run_peer(
     peer,
     configs: list[PeerConfig],
@@ -329,28 +349,12 @@ def run_peer(
                             if progress is not None:
                                 progress.advance()
                         figures[id(c)].append((tokens, secs))
-                group = []
-                for c in configs:
-                    f = figures[id(c)]
-                    row = {
-                        "peer": peer.name,
-                        "method": c.method,
-                        "drafter": c.drafter,
-                        "label": label(c),
-                        "num_draft": c.num_draft,
-                        "suite": suite,
-                        "temperature": temp,
-                        "batch_size": 1,
-                        "prompts": len(ids),
-                        "tokens": statistics.median(t for t, _ in f),
-                        "tokens_per_second": statistics.median(t / s for t, s in f),
-                        "tokens_per_second_repeats": [t / s for t, s in f],
-                        "warmup_seconds": warm[id(c)],
-                        "threads": peer.threads,
-                    }
-                    group.append(row)
+                group = [
+                    _peer_row(peer, c, label(c), suite, temp, len(ids), figures[id(c)], warm[id(c)]) for c in configs
+                ]
+                for row in group:
                     console.log(
-                        f"{peer.name} {suite} T={temp:g} {label(c)} K={c.num_draft}: "
+                        f"{peer.name} {suite} T={temp:g} {row['label']} K={row['num_draft']}: "
                         f"{row['tokens_per_second']:.1f} tok/s"
                     )
                 rows += group

@@ -137,10 +137,21 @@ def run_plain_bench(
         "forward_cost_vs_t1": {str(t): s / costs[min(costs)] for t, s in costs.items()},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    table = Table(title=f"plain decoding — {model.name} ({result['dtype']}, {result['backend']})")
+    print_plain(result)
+    if json_out:
+        with open(json_out, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return result
+
+
+def print_plain(result: dict) -> None:
+    """The plain bench's tables (batches; forward cost of T tokens) and roofline line, to stdout."""
+    costs = {int(t): s for t, s in result["forward_seconds"].items()}
+    bw, wbytes = result["copy_bandwidth_gbs"], result["weight_bytes"]
+    table = Table(title=f"plain decoding — {result['model']} ({result['dtype']}, {result['backend']})")
     for col in ("batch", "decode tok/s", "prefill tok/s", "peak MB", "roofline"):
         table.add_column(col, justify="right")
-    for r in rows:
+    for r in result["batches"]:
         rf = f"{100 * r['roofline_fraction']:.0f}%" if "roofline_fraction" in r else ""
         table.add_row(
             str(r["batch_size"]),
@@ -162,7 +173,3 @@ def run_plain_bench(
         f"copy bandwidth {bw:.1f} GB/s; weights {wbytes / 1e6:.0f} MB; "
         f"roofline {result['roofline_tokens_per_second']:.1f} tok/s at batch 1"
     )
-    if json_out:
-        with open(json_out, "w") as fh:
-            json.dump(result, fh, indent=2)
-    return result

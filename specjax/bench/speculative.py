@@ -366,51 +366,20 @@ def run_speculative_bench(
 
     console = console or Console(stderr=True, log_path=False)
     engine = Engine(model)
-    mem = PeakMemory()
     rows = []
     tables = {}  # (config key, batch size) -> "auto" step-cost table, measured once
     if progress is not None:
         progress.begin("specjax", prompt_runs(suite_ids, len(configs), batch_sizes, len(temperatures), repeats))
     advance = progress.advance if progress is not None else None
 
-    def stage(what, c, n, group):
-        if progress is not None:
-            progress.stage(f"{group[0]} T={group[1]:g} B={group[2]} {_config_label(c)} ({what})", n, group)
-
     for suite, ids in suite_ids.items():
         for temp in temperatures:
             sampling = SamplingParams(temperature=temp, max_new_tokens=max_new_tokens, seed=0)
             for b in batch_sizes:
                 batches = batches_of(ids, b)
-                group_key = (suite, temp, b)
-                warm, comp_s, comp_mb = {}, {}, {}
-                for c in configs:  # warm-up: compile every shape used below
-                    stage("warm-up", c, b, group_key)
-                    before, c0, t0 = _compiled(engine), engine.compile_seconds, time.perf_counter()
-                    if c.spec_policy == "auto" and (c.key, b) not in tables:  # as `generate` gets it
-                        tables[(c.key, b)] = measure_costs(
-                            engine,
-                            batches[0],
-                            row_params(sampling, 0, b),
-                            model.config.eos_token_ids,
-                            c.drafter,
-                            c.drafter.label(c.spec),
-                        )
-                    run_config(engine, batches[:1], sampling, c.drafter, advance, tables.get((c.key, b)))
-                    warm[c.key], comp_s[c.key] = time.perf_counter() - t0, engine.compile_seconds - c0
-                    new = [v for k, v in _compiled(engine).items() if k not in before]
-                    comp_mb[c.key] = compiled_memory_mb(new) if new else None
-                runs = {c.key: [] for c in configs}
-                peaks = {c.key: (0.0, "") for c in configs}
-                for rep_i in range(repeats):  # interleaved: plain then every config, per repeat
-                    for c in configs:
-                        stage(f"repeat {rep_i + 1}/{repeats}", c, len(batches) * b, group_key)
-                        mem.reset()
-                        runs[c.key].append(
-                            run_config(engine, batches, sampling, c.drafter, advance, tables.get((c.key, b)))
-                        )
-                        mb, src = mem.read()
-                        peaks[c.key] = (max(peaks[c.key][0], mb), src)
+                stage = functools.partial(_stage, progress, (suite, temp, b))
+                warm, comp_s, comp_mb = _warm_up(engine, configs, batches, sampling, b, tables, stage, advance)
+                runs, peaks = _timed_repeats(engine, configs, batches, sampling, b, tables, stage, advance, repeats)
                 group, comps = [], {}
                 for c in configs:  # components do not depend on the policy: timed once per (drafter, K, tree)
                     if c.key[:3] not in comps:
@@ -438,6 +407,48 @@ def run_speculative_bench(
                     )
                 rows += group
     return rows
+
+
+def _stage(progress, group: tuple, what: str, c: Config, n: int) -> None:
+    """Tell `progress` (or nobody) that configuration `c` of `group` (suite, T, B) starts `what`."""
+    if progress is not None:
+        progress.stage(f"{group[0]} T={group[1]:g} B={group[2]} {_config_label(c)} ({what})", n, group)
+
+
+def _warm_up(engine, configs, batches, sampling, b: int, tables: dict, stage, advance):
+    """Compile every configuration on the first batch of B = `b` rows (measuring an "auto" step-cost
+    table into `tables` first, as `generate` gets it). Returns per config key: warm-up seconds,
+    compile seconds, compiled memory MB (None when nothing new compiled)."""
+    warm, comp_s, comp_mb = {}, {}, {}
+    for c in configs:
+        stage("warm-up", c, b)
+        before, c0, t0 = _compiled(engine), engine.compile_seconds, time.perf_counter()
+        if c.spec_policy == "auto" and (c.key, b) not in tables:
+            eos = engine.model.config.eos_token_ids
+            tables[(c.key, b)] = measure_costs(
+                engine, batches[0], row_params(sampling, 0, b), eos, c.drafter, c.drafter.label(c.spec)
+            )
+        run_config(engine, batches[:1], sampling, c.drafter, advance, tables.get((c.key, b)))
+        warm[c.key], comp_s[c.key] = time.perf_counter() - t0, engine.compile_seconds - c0
+        new = [v for k, v in _compiled(engine).items() if k not in before]
+        comp_mb[c.key] = compiled_memory_mb(new) if new else None
+    return warm, comp_s, comp_mb
+
+
+def _timed_repeats(engine, configs, batches, sampling, b: int, tables: dict, stage, advance, repeats: int):
+    """The timed runs, interleaved (plain, then every configuration, per repeat) so machine drift
+    hits all alike. Returns per config key: its `RunFigures` list and peak memory (MB, source)."""
+    mem = PeakMemory()
+    runs = {c.key: [] for c in configs}
+    peaks = {c.key: (0.0, "") for c in configs}
+    for rep_i in range(repeats):
+        for c in configs:
+            stage(f"repeat {rep_i + 1}/{repeats}", c, len(batches) * b)
+            mem.reset()
+            runs[c.key].append(run_config(engine, batches, sampling, c.drafter, advance, tables.get((c.key, b))))
+            mb, src = mem.read()
+            peaks[c.key] = (max(peaks[c.key][0], mb), src)
+    return runs, peaks
 
 
 def encode_suites(model, suites: dict[str, list]) -> dict[str, list[list[int]]]:
@@ -483,17 +494,7 @@ def bench_suites(
     for name, why in skipped.items():
         console.log(f"peer {name}: skipped ({why})")
     t_start = time.time()
-    job = {
-        "model_source": model.source,
-        "eos_ids": [int(e) for e in model.config.eos_token_ids],
-        "threads": peer_threads,
-        "drafters": list(drafters),
-        "num_drafts": list(num_drafts),
-        "suite_ids": suite_ids,
-        "temperatures": list(temperatures),
-        "max_new_tokens": max_new_tokens,
-        "repeats": repeats,
-    }
+    job = _peer_job(model, drafters, num_drafts, suite_ids, temperatures, max_new_tokens, repeats, peer_threads)
     if peer_factory:
         job["factory"] = peer_factory
     with BenchProgress(console) as progress:
@@ -532,6 +533,27 @@ def bench_suites(
         "plots": [],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)),
     }
+    return _publish(report, json_out, plots_dir, out)
+
+
+def _peer_job(model, drafters, num_drafts, suite_ids, temperatures, max_new_tokens, repeats, threads) -> dict:
+    """What each peer's own process needs to run the bench's prompts (`peer_process.py`)."""
+    return {
+        "model_source": model.source,
+        "eos_ids": [int(e) for e in model.config.eos_token_ids],
+        "threads": threads,
+        "drafters": list(drafters),
+        "num_drafts": list(num_drafts),
+        "suite_ids": suite_ids,
+        "temperatures": list(temperatures),
+        "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
+    }
+
+
+def _publish(report: dict, json_out: str | None, plots_dir: str | None, out) -> dict:
+    """Write the plots (next to `json_out`, or in `plots_dir`), print the report to `out` and
+    write it as JSON; returns it."""
     if json_out or plots_dir:
         import os
 
