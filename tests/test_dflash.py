@@ -55,10 +55,9 @@ def target(target_dir):
     return load_model(target_dir, "float32", quiet=True)
 
 
-def reference_drafter(seed: int = 0, layers: int = 2, **extra) -> DFlashDraftModel:
-    """A random z-lab DFlash drafter for the tiny target, with non-trivial norm scales."""
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
+def drafter_hf_config(layers: int = 2) -> Qwen3Config:
+    """The HF (Qwen3) config of the tiny target's drafter layers, as the references build them."""
+    return Qwen3Config(
         vocab_size=V,
         hidden_size=D,
         intermediate_size=48,
@@ -68,6 +67,27 @@ def reference_drafter(seed: int = 0, layers: int = 2, **extra) -> DFlashDraftMod
         head_dim=8,
         rms_norm_eps=1e-6,
     )
+
+
+def drafter_layers() -> LlamaConfig:
+    """specjax's config of the tiny target's drafter layers (Qwen3: q/k norms)."""
+    return LlamaConfig(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=40,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        qk_norm=True,
+    )
+
+
+def reference_drafter(seed: int = 0, layers: int = 2, **extra) -> DFlashDraftModel:
+    """A random z-lab DFlash drafter for the tiny target, with non-trivial norm scales."""
+    torch.manual_seed(seed)
+    cfg = drafter_hf_config(layers)
     cfg.block_size, cfg.num_target_layers = BLOCK, L
     cfg.dflash_config = {"mask_token_id": MASK, "target_layer_ids": LAYER_IDS, **extra}
     cfg.architectures = ["DFlashDraftModel"]
@@ -131,18 +151,7 @@ def test_zlab_checkpoint_gives_the_references_block_logits(target_dir, target, t
 
 
 def test_export_to_zlab_loads_back_in_the_reference(target_dir, target, tmp_path):
-    lc = LlamaConfig(
-        vocab_size=V,
-        hidden_size=D,
-        intermediate_size=40,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        qk_norm=True,
-    )
-    cfg = dflash.DFlashConfig(lc, tuple(LAYER_IDS), L, BLOCK, MASK)
+    cfg = dflash.DFlashConfig(drafter_layers(), tuple(LAYER_IDS), L, BLOCK, MASK)
     w = dflash.init_weights(cfg, seed=3)
     ours = str(tmp_path / "ours")
     dflash.save(w, ours)

@@ -16,7 +16,18 @@ from dflash.model import DFlashDraftModel as ZlabDFlash  # the backbone's refere
 from speculators.config import SpeculatorsConfig, VerifierConfig
 from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 from speculators.proposals.greedy import GreedyTokenProposalConfig
-from test_dflash import BLOCK, LAYER_IDS, MASK, D, L, V, specjax_state, target, target_dir  # noqa: F401
+from test_dflash import (  # noqa: F401
+    BLOCK,
+    LAYER_IDS,
+    MASK,
+    D,
+    L,
+    V,
+    drafter_hf_config,
+    specjax_state,
+    target,
+    target_dir,
+)
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from helpers import rel_err
@@ -32,16 +43,7 @@ RANK = 12
 def speculators_dspark(target_dir, draft_vocab: int = V, seed: int = 0, **flags) -> DSparkDraftModel:  # noqa: F811
     """A random speculators DSpark drafter for the tiny target (eager attention, CPU)."""
     torch.manual_seed(seed)
-    layer = Qwen3Config(
-        vocab_size=V,
-        hidden_size=D,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-    )
+    layer = drafter_hf_config()
     layer._attn_implementation = "eager"
     cfg = DSparkSpeculatorConfig(
         transformer_layer_config=layer,

@@ -20,31 +20,32 @@ import pytest
 import torch
 from specforge.modeling.draft.dspark import DSparkDraftModel as SpecForgeDSpark
 from speculators.models.dspark import DSparkDraftModel
-from test_dflash import BLOCK, LAYER_IDS, MASK, D, L, V, specjax_state, target, target_dir  # noqa: F401
+from test_dflash import (  # noqa: F401
+    BLOCK,
+    LAYER_IDS,
+    MASK,
+    L,
+    V,
+    drafter_hf_config,
+    drafter_layers,
+    specjax_state,
+    target,
+    target_dir,
+)
 from test_dspark import RANK, assert_heads_match, speculators_dspark
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from helpers import rel_err
 from specjax.cli import main
 from specjax.drafters import dflash, dspark, make_drafter
 from specjax.drafters.dspark import DSparkConfig
 from specjax.errors import DrafterError
-from specjax.models.config import LlamaConfig
 
 
 def specforge_dspark(seed: int = 0, **flags) -> SpecForgeDSpark:
     """A random SpecForge DSpark drafter for the tiny target, with non-trivial norm scales."""
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=V,
-        hidden_size=D,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-    )
+    cfg = drafter_hf_config()
     cfg.block_size, cfg.num_target_layers = BLOCK, L
     cfg.dflash_config = {
         "mask_token_id": MASK,
@@ -62,6 +63,13 @@ def specforge_dspark(seed: int = 0, **flags) -> SpecForgeDSpark:
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.3 * torch.randn_like(p) if name.endswith("norm.weight") else 0.3 * torch.randn_like(p))
     return model
+
+
+def save_draft_vocab_dspark(path: str, d2t: np.ndarray) -> None:
+    """A random specjax DSpark drafter over the draft vocabulary `d2t [40]`, scored by the target's
+    own head rows (own_head false, as the shipped one), saved at `path`."""
+    cfg = DSparkConfig(drafter_layers(), tuple(LAYER_IDS), L, BLOCK, MASK, draft_vocab_size=40, markov_rank=RANK)
+    dflash.save(dspark.init_weights(cfg, d2t, seed=3), path)
 
 
 def export(src: str, fmt: str, out: str, target_dir: str) -> None:  # noqa: F811
@@ -99,20 +107,8 @@ def test_export_to_speculators_gives_back_its_tensors(target_dir, target, tmp_pa
 
 def test_head_rows_of_the_target_export_as_lm_head(target_dir, target, tmp_path):  # noqa: F811
     """A drafter over a draft vocabulary scored by the target's own head rows (own_head false)."""
-    lc = LlamaConfig(
-        vocab_size=V,
-        hidden_size=D,
-        intermediate_size=40,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        qk_norm=True,
-    )
     d2t = np.sort(np.random.RandomState(1).choice(V, 40, replace=False))
-    cfg = DSparkConfig(lc, tuple(LAYER_IDS), L, BLOCK, MASK, draft_vocab_size=40, markov_rank=RANK)
-    dflash.save(dspark.init_weights(cfg, d2t, seed=3), str(tmp_path / "ours"))
+    save_draft_vocab_dspark(str(tmp_path / "ours"), d2t)
     export(str(tmp_path / "ours"), "speculators", str(tmp_path / "out"), target_dir)
     back = DSparkDraftModel.from_pretrained(str(tmp_path / "out")).eval()
     hf = Qwen3ForCausalLM.from_pretrained(target_dir).eval()
@@ -174,19 +170,7 @@ def test_bad_specforge_checkpoints_and_exports_are_one_line(target_dir, target, 
         with pytest.raises(DrafterError, match=match) as e:
             make_drafter(f"dspark:{src}", 0, target)
         assert "\n" not in str(e.value)
-    lc = LlamaConfig(
-        vocab_size=V,
-        hidden_size=D,
-        intermediate_size=40,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        qk_norm=True,
-    )
-    cfg = DSparkConfig(lc, tuple(LAYER_IDS), L, BLOCK, MASK, draft_vocab_size=40, markov_rank=RANK)
-    dflash.save(dspark.init_weights(cfg, np.arange(40), seed=3), str(tmp_path / "ours"))
+    save_draft_vocab_dspark(str(tmp_path / "ours"), np.arange(40))
     argv = ["export", f"dspark:{tmp_path / 'ours'}", "--format", "specforge", "--out", str(tmp_path / "x")]
     capsys.readouterr()
     assert main([*argv, "--model", target_dir]) == 2

@@ -31,17 +31,24 @@ def save(
 ) -> str:
     """Write `config` (+ `metadata`) and the params state (cast to `dtype` if given) + `extra`."""
     from specjax.models.loading import _flatten
-    from specjax.models.loading.safetensors_io import save_file
 
-    os.makedirs(out_dir, exist_ok=True)
     tensors = {
         name: np.asarray(jnp.asarray(a, dtype) if dtype is not None else a)
         for name, a in _flatten(nnx.to_pure_dict(params))
     }
     tensors.update({k: np.asarray(v) for k, v in (extra or {}).items()})
+    return write(out_dir, {**config, **(metadata or {})}, tensors)
+
+
+def write(out_dir: str, config: dict, tensors: dict[str, np.ndarray]) -> str:
+    """`config.json` + `model.safetensors` in `out_dir` (created): the layout of specjax's own
+    drafters and of the published ones it exports."""
+    from specjax.models.loading.safetensors_io import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE))
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as fh:
-        json.dump({**config, **(metadata or {})}, fh, indent=1)
+        json.dump(config, fh, indent=1)
     return out_dir
 
 

@@ -13,9 +13,6 @@ sliding-window drafter layers are one-line errors.
 
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 
 from specjax.drafters import checkpoint
@@ -150,8 +147,6 @@ def export(w: DFlashWeights, out_dir: str, dtype=None) -> str:
     import jax.numpy as jnp
     from flax import nnx
 
-    from specjax.models.loading.safetensors_io import save_file
-
     if w.d2t is not None:
         raise DrafterError(
             "a DFlash drafter with a reduced draft vocabulary has no z-lab layout (its head is the target's whole one)"
@@ -163,8 +158,4 @@ def export(w: DFlashWeights, out_dir: str, dtype=None) -> str:
         k: np.asarray(jnp.asarray(v, dtype) if dtype is not None else v)
         for k, v in _zlab_tensors(w.config, pure).items()
     }
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, checkpoint.WEIGHTS_FILE))
-    with open(os.path.join(out_dir, checkpoint.CONFIG_FILE), "w") as fh:
-        json.dump(zlab_config(w.config), fh, indent=1)
-    return out_dir
+    return checkpoint.write(out_dir, zlab_config(w.config), tensors)

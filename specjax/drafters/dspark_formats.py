@@ -26,8 +26,6 @@ or rnn Markov heads, and SpecForge's causal or sliding-window layers are one-lin
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -241,11 +239,4 @@ def to_published(w: DFlashWeights, fmt: str, head=None, verifier: dict | None = 
 
 def export(w: DFlashWeights, out_dir: str, fmt: str, **kw) -> str:
     """Write `w` to `out_dir` in layout `fmt` (`config.json` + `model.safetensors`); see to_published."""
-    from specjax.models.loading.safetensors_io import save_file
-
-    config, tensors = to_published(w, fmt, **kw)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, checkpoint.WEIGHTS_FILE))
-    with open(os.path.join(out_dir, checkpoint.CONFIG_FILE), "w") as fh:
-        json.dump(config, fh, indent=1)
-    return out_dir
+    return checkpoint.write(out_dir, *to_published(w, fmt, **kw))
