@@ -152,6 +152,7 @@ def lower_loop(
     or {"ok": False, "error": the first line}."""
     from specjax.policy.rows import AUTO, new_policy
     from specjax.runtime.engine import Engine, _decode, _prefill
+    from specjax.runtime.step import RowInputs
     from specjax.sampling import SamplingArrays, SamplingParams
 
     if shape not in SHAPES:
@@ -167,6 +168,7 @@ def lower_loop(
         prompt, plen = sds((b, t), jnp.int32), sds((b,), jnp.int32)
         params = [SamplingParams(max_new_tokens=max_new, temperature=temperature)] * b
         samp = jax.tree.map(lambda x: sds(x.shape, x.dtype), SamplingArrays.from_params(params))
+        rows = RowInputs(prompt, plen, samp, sds((b,), jnp.int32), sds((b, 1), jnp.int32), sds((b,), jnp.uint32))
         policy = (
             None
             if k == 0
@@ -182,21 +184,7 @@ def lower_loop(
             "prefill": (pre_fn, (target.params, prompt, plen)),
             "decode": (
                 dec_fn,
-                (
-                    target.params,
-                    dparams,
-                    cache,
-                    last,
-                    prompt,
-                    plen,
-                    hidden,
-                    final,
-                    samp,
-                    sds((b,), jnp.int32),
-                    sds((b, 1), jnp.int32),
-                    sds((b,), jnp.uint32),
-                    policy,
-                ),
+                (target.params, dparams, cache, last, hidden, final, rows, policy),
             ),
         }
         return {name: _export(fn, a, platform) for name, (fn, a) in args.items()}

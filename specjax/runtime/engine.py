@@ -29,7 +29,7 @@ from specjax.drafters.base import Drafter, NoDrafter
 from specjax.models.loading import Model
 from specjax.policy.rows import RowPolicy, new_policy
 from specjax.runtime.compile_cache import CompileCache
-from specjax.runtime.step import decode_step, init_state
+from specjax.runtime.step import RowInputs, decode_step, init_state
 from specjax.sampling import SamplingArrays, SamplingParams
 
 
@@ -116,35 +116,25 @@ def _decode(
     dparams,
     cache,
     last_logits,
-    prompt,
-    prompt_len,
     features,
     final_hidden,
-    samp: SamplingArrays,
-    max_new,
-    stop_ids,
-    seed,
+    rows: RowInputs,
     policy,
     *,
     drafter: Drafter,
     all_greedy: bool,
     implementation: str,
 ):
-    """max_new [B] int32; stop_ids [B, M] int32 (-1 padded); policy: RowPolicy or None. Returns
-    the final LoopState."""
+    """The decode loop after the prefill (`init_state`'s arguments); policy: RowPolicy or None.
+    Returns the final LoopState."""
     model = nnx.merge(graphdef, params)
     state = init_state(
         dparams,
         cache,
         last_logits,
-        prompt,
-        prompt_len,
         features,
         final_hidden,
-        samp,
-        max_new,
-        stop_ids,
-        seed,
+        rows,
         drafter=drafter,
         all_greedy=all_greedy,
         stat_width=drafter.accept_width,
@@ -180,10 +170,9 @@ class Engine:
         s = bucket_multiple(max(max(prompt_lens) + max_new + k + 2, t), 128)
         return t, s
 
-    def _rows(self, prompt_ids, t: int, sampling, eos_ids, drafter: Drafter, max_new_cap, spec_mode, costs) -> dict:
-        """The batch's per-row arrays, placed on the mesh's `data` axis when there is one: prompt
-        `[B, T]` (right-padded), prompt_len `[B]`, samp (`SamplingArrays`), max_new `[B]`,
-        stop_ids `[B, M]` (-1 padded), seed `[B]` uint32, policy (`RowPolicy` or None)."""
+    def _rows(self, prompt_ids, t: int, sampling, eos_ids, drafter: Drafter, max_new_cap, spec_mode, costs):
+        """The batch's `RowInputs` (prompts right-padded to `t`) and its `RowPolicy` or None, placed
+        on the mesh's `data` axis when there is one."""
         b = len(prompt_ids)
         lens = [len(p) for p in prompt_ids]
         max_new = max(p.max_new_tokens for p in sampling)
@@ -195,10 +184,10 @@ class Engine:
         for i, x in enumerate(stops):
             stop_arr[i, : len(x)] = x
         cap = max_new if max_new_cap is None else max_new_cap
-        rows = dict(
+        rows = RowInputs(
             prompt=jnp.asarray(prompt),
             prompt_len=jnp.asarray(lens, jnp.int32),
-            samp=SamplingArrays.from_params(sampling),
+            sampling=SamplingArrays.from_params(sampling),
             max_new=jnp.asarray([min(p.max_new_tokens, cap) for p in sampling], jnp.int32),
             stop_ids=jnp.asarray(stop_arr),
             seed=jnp.asarray([p.row_seed() for p in sampling], jnp.uint32),
@@ -214,7 +203,7 @@ class Engine:
             rows = jax.device_put(rows, by_row)
             if policy is not None:
                 policy = jax.device_put(policy, RowPolicy(repl, repl, by_row, by_row, by_row, by_row))
-        return dict(rows, policy=policy)
+        return rows, policy
 
     def generate(
         self,
@@ -236,27 +225,26 @@ class Engine:
         drafter = drafter or NoDrafter()
         lens = [len(p) for p in prompt_ids]
         t, s = self.shapes(lens, max(p.max_new_tokens for p in sampling), drafter.num_draft)
-        r = self._rows(prompt_ids, t, sampling, eos_ids, drafter, max_new_cap, spec_mode, costs)
+        rows, policy = self._rows(prompt_ids, t, sampling, eos_ids, drafter, max_new_cap, spec_mode, costs)
         weights, dparams = self.model.params, drafter.params()
         if self.mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
 
             dparams = jax.device_put(dparams, NamedSharding(self.mesh, PartitionSpec()))
         pre_static = dict(cache_size=s, feature_layers=drafter.feature_layers, want_final=drafter.needs_final_hidden)
-        pre = self._get("prefill", _prefill, pre_static, (), weights, r["prompt"], r["prompt_len"])
+        pre = self._get("prefill", _prefill, pre_static, (), weights, rows.prompt, rows.prompt_len)
         # Compile decode before timing anything: its arguments' shapes are known without running.
         c_shape, l_shape, h_shape, f_shape = pre.out_info
         dec_static = dict(
             drafter=drafter, all_greedy=all(p.greedy for p in sampling), implementation=self.implementation
         )
-        row_args = (r["samp"], r["max_new"], r["stop_ids"], r["seed"], r["policy"])
-        abstract = (c_shape, l_shape, r["prompt"], r["prompt_len"], h_shape, f_shape)  # decode's inputs 3-8
-        dec = self._get("decode", _decode, dec_static, (2,), weights, dparams, *abstract, *row_args)
+        abstract = (c_shape, l_shape, h_shape, f_shape)  # decode's inputs 3-6: the prefill's outputs
+        dec = self._get("decode", _decode, dec_static, (2,), weights, dparams, *abstract, rows, policy)
         t0 = time.perf_counter()
-        cache, last_logits, features, final_hidden = pre(weights, r["prompt"], r["prompt_len"])
+        cache, last_logits, features, final_hidden = pre(weights, rows.prompt, rows.prompt_len)
         jax.block_until_ready(last_logits)
         t1 = time.perf_counter()
-        st = dec(weights, dparams, cache, last_logits, r["prompt"], r["prompt_len"], features, final_hidden, *row_args)
+        st = dec(weights, dparams, cache, last_logits, features, final_hidden, rows, policy)
         history = np.asarray(st.history)  # [B, S]
         t2 = time.perf_counter()
         hist_len, stopped = np.asarray(st.hist_len), np.asarray(st.stopped)

@@ -45,7 +45,7 @@ from specjax.errors import DrafterError
 from specjax.models.loading import Model
 from specjax.runtime.compile_cache import CompileCache
 from specjax.runtime.engine import _prefill, bucket_multiple, bucket_pow2
-from specjax.runtime.step import LoopState, decode_step, init_state
+from specjax.runtime.step import LoopState, RowInputs, decode_step, init_state
 from specjax.sampling import SamplingArrays, SamplingParams
 
 STOP_WIDTH = 8  # stop ids per row: EOS ids + the request's own stop_token_ids
@@ -65,15 +65,13 @@ def _take_row(big, like, slot):
     return jax.lax.dynamic_slice_in_dim(v, slot, 1, axis=0)[0]
 
 
-def _prefill_row(
-    params, dparams, prompt, prompt_len, samp, max_new, stop_ids, seed, *, graphdef, cache_size, drafter, stat_width
-):
-    """prompt [1, T] -> a one-row LoopState."""
+def _prefill_row(params, dparams, rows: RowInputs, *, graphdef, cache_size, drafter, stat_width):
+    """One request's `RowInputs` (prompt `[1, T]`) -> a one-row LoopState."""
     cache, logits, features, final_hidden = _prefill(
         graphdef,
         params,
-        prompt,
-        prompt_len,
+        rows.prompt,
+        rows.prompt_len,
         cache_size=cache_size,
         feature_layers=drafter.feature_layers,
         want_final=drafter.needs_final_hidden,
@@ -82,14 +80,9 @@ def _prefill_row(
         dparams,
         cache,
         logits,
-        prompt,
-        prompt_len,
         features,
         final_hidden,
-        samp,
-        max_new,
-        stop_ids,
-        seed,
+        rows,
         drafter=drafter,
         all_greedy=False,
         stat_width=stat_width,
@@ -206,19 +199,20 @@ class SlotEngine:
                 return out
             t *= 2
 
-    def row_inputs(self, prompt_ids: list[int], sampling: SamplingParams, stop_ids):
+    def row_inputs(self, prompt_ids: list[int], sampling: SamplingParams, stop_ids) -> RowInputs:
+        """One request as the loop takes it: its prompt right-padded to its bucket, `[1, ...]`."""
         t = self.prompt_bucket(len(prompt_ids))
         prompt = np.zeros((1, t), np.int32)
         prompt[0, : len(prompt_ids)] = prompt_ids
         stops = np.full((1, STOP_WIDTH), -1, np.int32)
         stops[0, : len(stop_ids)] = list(stop_ids)[:STOP_WIDTH]
-        return (
-            jnp.asarray(prompt),
-            jnp.asarray([len(prompt_ids)], jnp.int32),
-            SamplingArrays.from_params([sampling]),
-            jnp.asarray([sampling.max_new_tokens], jnp.int32),
-            jnp.asarray(stops),
-            jnp.asarray([sampling.row_seed()], jnp.uint32),
+        return RowInputs(
+            prompt=jnp.asarray(prompt),
+            prompt_len=jnp.asarray([len(prompt_ids)], jnp.int32),
+            sampling=SamplingArrays.from_params([sampling]),
+            max_new=jnp.asarray([sampling.max_new_tokens], jnp.int32),
+            stop_ids=jnp.asarray(stops),
+            seed=jnp.asarray([sampling.row_seed()], jnp.uint32),
         )
 
     def prefill(self, prompt_ids: list[int], sampling: SamplingParams, stop_ids=()) -> LoopState:
@@ -230,7 +224,7 @@ class SlotEngine:
             )
         if len(stop_ids) > STOP_WIDTH:
             raise ValueError(f"at most {STOP_WIDTH} stop ids per row")
-        args = (self.params, self.dparams) + self.row_inputs(prompt_ids, sampling, stop_ids)
+        args = (self.params, self.dparams, self.row_inputs(prompt_ids, sampling, stop_ids))
         static = dict(
             graphdef=self.model.graphdef,
             cache_size=self.cache_size,
@@ -242,7 +236,7 @@ class SlotEngine:
     def row_like(self):
         """Abstract shapes of a one-row state (for extract and empty states)."""
         if self._row_like is None:
-            args = (self.params, self.dparams) + self.row_inputs([0], SamplingParams(max_new_tokens=1, seed=0), ())
+            args = (self.params, self.dparams, self.row_inputs([0], SamplingParams(max_new_tokens=1, seed=0), ()))
             fn = partial(
                 _prefill_row,
                 graphdef=self.model.graphdef,

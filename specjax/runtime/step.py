@@ -114,6 +114,18 @@ class PassOutput:
     final_hidden: Any  # [B, K+1, D] final normed hidden state there, or None
 
 
+@struct.dataclass
+class RowInputs:
+    """Each row's request as the loop takes it."""
+
+    prompt: jax.Array  # [B, T] int32, right-padded
+    prompt_len: jax.Array  # [B] int32
+    sampling: SamplingArrays  # [B] settings
+    max_new: jax.Array  # [B] int32
+    stop_ids: jax.Array  # [B, M] int32 (-1 padded)
+    seed: jax.Array  # [B] uint32, each row's random seed
+
+
 def _is_stop(tokens, stop_ids):
     """tokens [B, T], stop_ids [B, M] (-1 padded) -> [B, T] bool."""
     return jnp.any(tokens[:, :, None] == stop_ids[:, None, :], axis=-1)
@@ -123,14 +135,9 @@ def init_state(
     dparams,
     cache,
     last_logits,
-    prompt,
-    prompt_len,
     features,
     final_hidden,
-    samp: SamplingArrays,
-    max_new,
-    stop_ids,
-    seed,
+    rows: RowInputs,
     *,
     drafter: Drafter,
     all_greedy: bool,
@@ -142,23 +149,22 @@ def init_state(
     Args:
       dparams: the drafter's parameters; cache: the target cache after the prefill.
       last_logits: [B, V] logits after each prompt's last token (the first token is sampled here).
-      prompt: [B, T] int32 right-padded; prompt_len: [B] int32.
       features: [n, B, T, D] prompt features of the drafter's `feature_layers`, or None.
       final_hidden: [B, T, D] final normed hidden state over the prompt, or None.
-      samp: [B] sampling settings; max_new: [B] int32; stop_ids: [B, M] int32 (-1 padded).
-      seed: [B] uint32, each row's random seed, kept in the state.
+      rows: the rows' prompts, sampling settings, token budgets, stop ids and seeds.
       stat_width: W of the statistics arrays (>= the drafter's accept width).
       policy: the rows' speculation fallback, or None (every step verifies what the drafter proposes).
 
     Returns:
       The `LoopState`: history [B, S] (S = the cache's size) holding prompt + first token.
     """
+    prompt, prompt_len, samp, seed = rows.prompt, rows.prompt_len, rows.sampling, rows.seed
     b, s = prompt.shape[0], cache.size
     first = sample(derive(seed, FIRST_TOKEN, STREAM_SAMPLE), last_logits, samp)  # [B]
     history = jnp.zeros((b, s), jnp.int32).at[:, : prompt.shape[1]].set(prompt)  # [B, S]
     history = history.at[jnp.arange(b), prompt_len].set(first)
     hist_len = prompt_len + 1  # [B]
-    stop = _is_stop(first[:, None], stop_ids)[:, 0]  # [B]
+    stop = _is_stop(first[:, None], rows.stop_ids)[:, 0]  # [B]
     dstate = drafter.init(
         dparams,
         InitContext(prompt, prompt_len, history, hist_len, samp, features, final_hidden, s, all_greedy),
@@ -168,7 +174,7 @@ def init_state(
         draft_state=dstate,
         history=history,
         hist_len=hist_len,
-        done=stop | (max_new <= 1),
+        done=stop | (rows.max_new <= 1),
         stopped=stop,
         seed=seed,
         steps=jnp.zeros((b,), jnp.int32),
@@ -176,8 +182,8 @@ def init_state(
         accepted=jnp.zeros((b, stat_width), jnp.int32),
         off_chain=jnp.zeros((b,), jnp.int32),
         prompt_len=prompt_len,
-        max_new=max_new,
-        stop_ids=stop_ids,
+        max_new=rows.max_new,
+        stop_ids=rows.stop_ids,
         sampling=samp,
         policy=policy,
         pending=new_pending(drafter, b, features, final_hidden) if defers_commits(drafter, policy) else None,
