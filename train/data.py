@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.datasets import sharegpt_split
+from specjax.files import write_atomic
 from specjax.models.loading import Model
 from specjax.prompts import encode_prompt
 from specjax.runtime.engine import Engine
@@ -199,7 +200,7 @@ def extract_features(
         mask[i, plen : len(ids)] = True
         np.add.at(counts, np.asarray(ids[plen:], np.int64), 1)
 
-    record = lambda **extra: _write_json(meta_path, {**meta, **extra})  # noqa: E731
+    record = lambda **extra: write_atomic(meta_path, json.dumps({**meta, **extra}).encode())  # noqa: E731
     run = _feature_pass(model, layers, seq_len)
     t0 = time.perf_counter() - float(old.get("seconds", 0.0) if resume else 0.0)
     if not resume:
@@ -236,13 +237,6 @@ def _feature_pass(model: Model, layers: tuple[int, ...], seq_len: int):
         return h, coll, jnp.argmax(m.logits(h), axis=-1).astype(jnp.int32)
 
     return run
-
-
-def _write_json(path: str, obj: dict) -> None:
-    """Replace `path` with `obj` as JSON, atomically (a kill leaves the old file or the new one)."""
-    with open(path + ".tmp", "w") as fh:
-        json.dump(obj, fh)
-    os.replace(path + ".tmp", path)
 
 
 def _digest(seqs, seq_len, name) -> str:

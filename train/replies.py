@@ -36,8 +36,9 @@ def _key(prompt: list[int]) -> tuple[int, ...]:
     return tuple(int(t) for t in prompt)
 
 
-def _read_part(path: str) -> tuple[list[tuple[list[int], int]], bool]:
-    """(sequences, intact): the part's rows up to the first cut or corrupt gzip member."""
+def _read_part(path: str) -> list[tuple[list[int], int]]:
+    """The part's rows up to its first cut or corrupt gzip member (a killed run's last batch, or
+    one a running job is still writing)."""
     rows = []
     try:
         with gzip.open(path, "rt") as fh:
@@ -45,8 +46,8 @@ def _read_part(path: str) -> tuple[list[tuple[list[int], int]], bool]:
                 rec = json.loads(line)
                 rows.append((list(rec["ids"]), int(rec["prompt_len"])))
     except (EOFError, OSError, zlib.error, ValueError, KeyError):
-        return rows, False
-    return rows, True
+        pass
+    return rows
 
 
 def _write_rows(fh, rows) -> None:
@@ -85,9 +86,7 @@ class Replies:
         for name in sorted(os.listdir(path)):
             if not (name.startswith("part-") and name.endswith(".jsonl.gz")):
                 continue
-            part = os.path.join(path, name)
-            rows, _ = _read_part(part)  # a cut tail (a killed run, or one still writing) is skipped
-            for ids, p in rows:
+            for ids, p in _read_part(os.path.join(path, name)):
                 self.rows.setdefault(_key(ids[:p]), (ids, p))
         self._part: str | None = None
 

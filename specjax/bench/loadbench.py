@@ -222,7 +222,6 @@ def run_sweep(
     repeats: int = 1,
     log=None,
 ) -> dict:
-
     from specjax.server.scheduler import build_scheduler
 
     say = log or (lambda m: print(f"specjax serve-bench: {m}", file=sys.stderr, flush=True))

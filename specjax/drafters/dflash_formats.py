@@ -73,16 +73,22 @@ def backbone_from_hf(cfg: DFlashConfig, fetch) -> dict:
     }
 
 
+def drafter_layers(raw: dict, source: str) -> LlamaConfig:
+    """The drafter layers' config from a published Qwen3 config dict (z-lab's whole config, or
+    speculators' `transformer_layer_config`): no token ids of its own."""
+    try:
+        lc = LlamaConfig.from_hf({**raw, "architectures": [], "model_type": "qwen3"})
+    except ModelLoadError as e:
+        raise DrafterError(f"{source}: drafter layers: {e}") from None
+    return LlamaConfig(**{**lc.to_dict(), "eos_token_ids": (), "bos_token_id": None})
+
+
 def config_from_zlab(raw: dict, source: str) -> DFlashConfig:
     """The DFlashConfig a z-lab config describes."""
     sub = raw.get("dflash_config") or {}
     if raw.get("is_causal") or sub.get("is_causal"):
         raise DrafterError(f"{source}: causal drafter layers are not supported (DFlash blocks are bidirectional)")
-    try:
-        lc = LlamaConfig.from_hf({**raw, "architectures": [], "model_type": "qwen3"})
-    except ModelLoadError as e:
-        raise DrafterError(f"{source}: drafter layers: {e}") from None
-    lc = LlamaConfig(**{**lc.to_dict(), "eos_token_ids": (), "bos_token_id": None})
+    lc = drafter_layers(raw, source)
     mask = sub.get("mask_token_id", raw.get("mask_token_id"))
     if mask is None:
         raise DrafterError(f"{source}: no mask_token_id in dflash_config")

@@ -33,9 +33,9 @@ import numpy as np
 from specjax.drafters import checkpoint, dflash_formats
 from specjax.drafters.dflash import DFlashWeights
 from specjax.drafters.dspark import KIND, DSparkConfig, build_weights
+from specjax.drafters.dspark import load as load_specjax
 from specjax.drafters.eagle3_formats import SPECULATORS_VERSION, _draft_map, draft_map_tensors, proposal_config
 from specjax.errors import DrafterError, ModelLoadError
-from specjax.models.config import LlamaConfig
 
 SPECULATORS = "speculators"
 SPECFORGE = "specforge"
@@ -56,13 +56,11 @@ def detect(raw: dict) -> str | None:
 
 def load(path: str, dtype=jnp.float32) -> DFlashWeights:
     """A DSpark drafter from a specjax, speculators or SpecForge directory."""
-    from specjax.drafters import dspark
-
     raw = checkpoint.read_config(path, None, "DSpark")
     fmt = detect(raw)
     if fmt is None:
         if raw.get("drafter") == KIND:
-            return dspark.load(path, dtype)
+            return load_specjax(path, dtype)
         raise DrafterError(f"{path}/config.json is neither a specjax, a speculators nor a SpecForge DSpark config")
     source = f"DSpark drafter {path}"
     from specjax.models.loading.hf import open_checkpoint
@@ -94,15 +92,6 @@ def load(path: str, dtype=jnp.float32) -> DFlashWeights:
     return build_weights(cfg, dict(_flatten(pure)), d2t, source, dtype)
 
 
-def _layers(raw: dict, source: str) -> LlamaConfig:
-    """The drafter layers' config from a Qwen3 config dict."""
-    try:
-        lc = LlamaConfig.from_hf({**raw, "architectures": [], "model_type": "qwen3"})
-    except ModelLoadError as e:
-        raise DrafterError(f"{source}: drafter layers: {e}") from None
-    return LlamaConfig(**{**lc.to_dict(), "eos_token_ids": (), "bos_token_id": None})
-
-
 def _check_markov(kind, source: str) -> None:
     if str(kind or "vanilla").lower() != "vanilla":
         raise DrafterError(f"{source}: markov_head_type {kind!r} is not supported (vanilla only)")
@@ -113,7 +102,7 @@ def _speculators_config(raw: dict, own_head: bool, source: str) -> DSparkConfig:
     _check_markov(raw.get("markov_head_type"), source)
     if not raw.get("sample_from_anchor", True):
         raise DrafterError(f"{source}: sample_from_anchor false is DFlash's block layout; load it as dflash")
-    lc = _layers(raw.get("transformer_layer_config") or {}, source)
+    lc = dflash_formats.drafter_layers(raw.get("transformer_layer_config") or {}, source)
     v, n = lc.vocab_size, int(raw.get("draft_vocab_size") or lc.vocab_size)
     ids, mask = raw.get("aux_hidden_state_layer_ids"), raw.get("mask_token_id")
     if not ids or mask is None:
