@@ -140,3 +140,41 @@ def test_engine_verifies_the_shortest_listed_prefix_rows_want(want, per_step):
         # every step checks the row's own prefix (the last one may run past the reference's end)
         assert all(c >= r.steps - 1 for c in r.checked[: n - 1]) and (n == 1 or r.checked[0] == r.steps)
         assert sum(r.checked[n - 1 :]) == 0
+
+
+class OracleTreeDrafter(OracleDrafter):
+    """A tree of 6 nodes: the true continuation as a spine of 4 (nodes 0-3), then a wrong branch
+    of 2 under the root (nodes 4-5); row b wants its first `want[b]` nodes verified."""
+
+    def __init__(self, ref: np.ndarray, want: list[int]):
+        super().__init__(ref, 6, (2, 6), want)
+        self.tree_topk, self.tree_depth = 2, 4
+
+    def propose(self, dparams, state, ctx):
+        idx = ctx.hist_len[:, None] + jnp.arange(4)[None]  # [B, 4]
+        spine = jnp.take_along_axis(self.ref, jnp.clip(idx, 0, self.ref.shape[1] - 1), axis=1)
+        draft = jnp.concatenate([spine, (spine[:, :2] + 1) % 64], axis=1)  # [B, 6]
+        b = draft.shape[0]
+        parents = jnp.broadcast_to(jnp.asarray([-1, 0, 1, 2, -1, 4], jnp.int32), (b, 6))
+        return Proposal(draft, length=jnp.asarray(self.want, jnp.int32), parents=parents), state
+
+
+@pytest.mark.parametrize("want, per_step", [([2, 6], [3, 5]), ([6, 2], [5, 3]), ([2, 2], [3, 3])])
+def test_tree_rows_verify_the_prefix_of_nodes_they_want(want, per_step):
+    """A tree's nodes come parents first, so its first L nodes are a tree: a row wanting 2 nodes
+    checks the spine's first 2 (3 tokens a step) even when a mate wanting 6 makes the batch take
+    the 6-node pass, which accepts that mate's whole spine of 4 (5 a step). Output = plain."""
+    model = random_model(tiny(num_layers=2), seed=0)
+    engine = Engine(model)
+    prompts = [[1, 2, 3, 1, 2], [9, 8, 7]]
+    new = 22
+    params = [SamplingParams(max_new_tokens=new)] * 2
+    plain = [r.token_ids for r in engine.generate(prompts, params)]
+    ref = np.zeros((2, 64), np.int32)
+    for i, (p, t) in enumerate(zip(prompts, plain)):
+        ref[i, : len(p) + len(t)] = p + t
+    rows = engine.generate(prompts, params, drafter=OracleTreeDrafter(ref, want))
+    assert [r.token_ids for r in rows] == plain
+    for r, n in zip(rows, per_step):
+        assert r.steps == -(-(new - 1) // n)
+        assert sum(r.checked[n - 1 :]) == 0 and r.checked[0] == r.steps

@@ -21,9 +21,12 @@ Trees (`with_tree(k, D)`, suffix/lookup decoding's several continuations): the k
 ends (longest match first, then the most recent; one entry per end) each propose the D tokens
 that followed them, merged into a trie: continuations that agree on their first d tokens share
 those nodes, so branch j's node at depth d hangs under the first branch that agrees with it up
-to there. Nodes are laid out branch by branch (`num_draft` <= k D of them); a node that repeats
-an earlier branch's, or belongs to a branch without a match (or, past the first, one shorter
-than `active_n`), gets parent -2: verified by no one, accepted never.
+to there. Nodes are laid out branch by branch (`num_draft` <= k D of them), so the first D are
+the best match's continuation, the chain's drafts; a node that repeats an earlier branch's, or
+belongs to a branch without a match (or, past the first, one shorter than `active_n`), gets
+parent -2: verified by no one, accepted never. A tree row wants its leading nodes verified as a
+chain row wants its leading drafts: the first 3 (the chain's first 3 when D >= 3) unless its best
+match is at least `long_n` tokens long, then all.
 
 Vocabulary-free and parameter-free: q is one-hot, so rejection sampling is exact for any
 temperature.
@@ -109,8 +112,7 @@ class NgramDrafter(Drafter):
         best_n = jnp.take_along_axis(n_at, best_end[:, None], axis=1)[:, 0]  # [B] (0: no match)
         last = jnp.take_along_axis(hist, (length - 1)[:, None], axis=1)  # [B, 1]
         draft = jnp.where((best_n > 0)[:, None], self.continuation(hist, length, best_end, k), last)  # [B, K]
-        want = jnp.where(best_n >= self.long_n, k, min(k, self.SHORT)).astype(jnp.int32)  # [B]
-        return Proposal(draft.astype(jnp.int32), active=best_n >= self.active_n, length=want), state
+        return Proposal(draft.astype(jnp.int32), active=best_n >= self.active_n, length=self._want(best_n)), state
 
     def _tree(self, hist, length, score) -> Proposal:
         """The trie of the `tree_topk` best matches' continuations (module doc)."""
@@ -137,5 +139,13 @@ class NgramDrafter(Drafter):
         parents = jnp.where(dead, -2, parents).reshape(-1, k * d)[:, : self.num_draft]  # [B, N]
         tokens = cont.reshape(-1, k * d)[:, : self.num_draft]  # [B, N]
         return Proposal(
-            tokens.astype(jnp.int32), active=alive[:, 0] & (n[:, 0] >= self.active_n), parents=parents.astype(jnp.int32)
+            tokens.astype(jnp.int32),
+            active=alive[:, 0] & (n[:, 0] >= self.active_n),
+            length=self._want(n[:, 0]),
+            parents=parents.astype(jnp.int32),
         )
+
+    def _want(self, best_n):
+        """[B] match lengths -> [B] int32 drafts (a tree: leading nodes) each row wants verified."""
+        k = self.num_draft
+        return jnp.where(best_n >= self.long_n, k, min(k, self.SHORT)).astype(jnp.int32)

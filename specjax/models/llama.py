@@ -36,16 +36,17 @@ from specjax.models.kv_cache import KVCache, KVUpdate, write_layer
 # Few-row matmuls on CPU. XLA runs `[O, I] x [I, 1]` as a matrix-vector product near memory
 # bandwidth, but hands M > 1 rows to a GEMM kernel that streams the weight at a fraction of it.
 # Written as a broadcast multiply and a reduction over I with output `[M, O]`, XLA emits one fused
-# loop nest that reads each weight row once from DRAM and reuses it from L1 for all M rows. Past
-# 16 rows the GEMM's compute efficiency wins. Timings: docs/performance.md, "Few-row matmuls".
-FEW_ROWS_MAX = 16
+# loop nest that reads each weight row once from DRAM and reuses it from L1 for all M rows. Where
+# compute bounds a pass (a batch-32 step, a batch-8 verify) it still beats the GEMM up to 64 rows;
+# at 128 the two tie. Timings: docs/performance.md, "Few-row matmuls".
+FEW_ROWS_MAX = 64
 
 
 def linear(w: jax.Array, x: jax.Array, out_dtype=None) -> jax.Array:
     """`x @ w^T`: the fused multiply-reduce for 2..FEW_ROWS_MAX rows on CPU, else a dot.
 
-    Both paths accumulate in f32 (the multiply-reduce upcasts inside its fusion rather than round
-    bf16 products before the sum). Logits ask for f32 output: bf16 logits (8-bit mantissa, an ulp
+    Both paths accumulate in f32, or f64 for f64 weights (the multiply-reduce upcasts inside its
+    fusion rather than round bf16 products before the sum). Logits ask for f32 output: bf16 logits (8-bit mantissa, an ulp
     of 0.06 at 10) tie the top two tokens often. Row counts still change the summation order, so a
     K + 1-row verify pass and a one-row plain step agree to rounding, not bit for bit (README,
     "Lossless, and what precision does to it").
@@ -63,14 +64,16 @@ def linear(w: jax.Array, x: jax.Array, out_dtype=None) -> jax.Array:
     x2 = x.reshape(-1, x.shape[-1]).astype(w.dtype)  # [M, I]
     rows = x2.shape[0]
     if 1 < rows <= FEW_ROWS_MAX and target_platform() == "cpu":
-        m = 1 << (rows - 1).bit_length()  # pad M to a power of two: 6 rows cost more than 8
-        xp = jnp.pad(x2, ((0, m - rows), (0, 0))).astype(jnp.float32)  # [M', I]
+        # M padded to a power of two up to 16 rows (6 cost more than 8), past that to a multiple of 8
+        m = 1 << (rows - 1).bit_length() if rows <= 16 else -(-rows // 8) * 8
+        acc = jnp.promote_types(w.dtype, jnp.float32)  # f32, f64 for f64 weights
+        xp = jnp.pad(x2, ((0, m - rows), (0, 0))).astype(acc)  # [M', I]
         # one barrier over both operands keeps x's producer (a gather, a broadcast) out of the reduce's
         # fusion, which would recompute it for each of the O output columns, and makes w's broadcast
         # this call's own: two calls on one weight would otherwise share it, and XLA materialises a
         # shared [M', O, I] (docs/performance.md, "Few-row matmuls")
-        w32, xp = jax.lax.optimization_barrier((w.astype(jnp.float32), xp))  # [O, I], [M', I]
-        y = jnp.sum(w32[None] * xp[:, None, :], axis=-1)[:rows]  # [M', O, I] -> [M, O], fused
+        wa, xp = jax.lax.optimization_barrier((w.astype(acc), xp))  # [O, I], [M', I]
+        y = jnp.sum(wa[None] * xp[:, None, :], axis=-1)[:rows]  # [M', O, I] -> [M, O], fused
     else:
         acc = jnp.float32 if out == jnp.float32 else w.dtype  # a bf16 dot accumulates in f32 anyway
         y = jnp.einsum("OI,MI->OM", w, x2, preferred_element_type=acc).T  # [M, O]

@@ -36,7 +36,7 @@ from flax import struct
 
 from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext
 from specjax.models.kv_cache import KVCache, KVUpdate, write_rows
-from specjax.models.tree import ancestor_mask, first_children
+from specjax.models.tree import ancestor_mask, depths, first_children
 from specjax.policy.rows import FORCE, RowPolicy
 from specjax.policy.rows import plan as policy_plan
 from specjax.policy.rows import update as policy_update
@@ -96,7 +96,7 @@ class Verification:
     tokens_in: jax.Array  # [B, K+1] int32, [last, drafts] as the pass reads them
     draft: jax.Array  # [B, K] int32, drafts as the accept step sees them (-1 past a row's `own`)
     q: Any  # [B, K, V] f32 draft probabilities (0 past a row's `own`), or None (one-hot)
-    own: jax.Array  # [B] int32, drafts each row checks (0: none; a tree: its depth or 0)
+    own: jax.Array  # [B] int32, drafts each row checks (0: none; a tree: the depth of its own nodes)
     branch: Any  # [] int32 index into the step's passes (0: the plain one-token pass), or None: one pass
     parents: Any = None  # [B, K] int32 the tree's parents as drafted, or None: a chain
     accept_parents: Any = None  # [B, K] int32 parents for the accept step (-2: the row accepts nothing)
@@ -287,34 +287,35 @@ def draft(drafter: Drafter, dparams, st: LoopState, pl: StepPlan, all_greedy: bo
 def schedule(drafter: Drafter, proposal: Proposal, pl: StepPlan, policed: bool) -> Verification:
     """Stage 3: which pass runs and which drafts each row checks.
 
-    A token tree: rows the policy or the drafter's gate leave out accept nothing (no node is a
-    child of their prefix); the plain pass when no live row is in. A chain: each row checks the
-    drafts it would check alone, the shortest of `drafter.verify_lengths` that holds its wanted
-    count (none when it is not active); the pass verifies the shortest listed prefix that holds
-    every live row's (the plain one-token pass when none is active: far cheaper than K + 1
-    positions); a row's drafts past its own length are masked (-1, q = 0: its token there is
-    drawn from the target, as at the end of its chain), so what a row emits does not depend on
-    its batch-mates. A single listed length with no gate and no policy: one pass, no branch."""
-    draft, q, k = proposal.draft, proposal.q, drafter.accept_width  # [B, K], [B, K, V] | None
-    b = draft.shape[0]
-    tokens_in = jnp.concatenate([pl.last, draft], axis=1)  # [B, K+1]
-    lengths = drafter.verify_lengths  # static, ascending, last = K
+    Each row checks what it would check alone: the shortest of `drafter.verify_lengths` that holds
+    its wanted count (`Proposal.length`: leading drafts of a chain, leading nodes of a tree, whose
+    nodes come parents first, so any prefix is a tree), none when it is not active; the pass
+    verifies the shortest listed prefix that holds every live row's (the plain one-token pass when
+    none is active: far cheaper than K + 1 positions). What lies past a row's own prefix is masked
+    (a chain's drafts -1 with q = 0: its token there is drawn from the target, as at the end of its
+    chain; a tree's nodes parent -2: never accepted), so what a row emits does not depend on its
+    batch-mates. A chain with a single listed length, no gate and no policy: one pass, no branch."""
+    draft, q, k = proposal.draft, proposal.q, drafter.accept_width  # [B, N], [B, N, V] | None
+    b, nodes = draft.shape  # N: K drafts of a chain, or a tree's nodes
+    tokens_in = jnp.concatenate([pl.last, draft], axis=1)  # [B, N+1]
+    lengths = drafter.verify_lengths  # static, ascending, last = N
     active = pl.on if proposal.active is None else proposal.active & pl.on  # [B]
-    if proposal.parents is not None:
-        own = jnp.where((active | pl.force_verify) & pl.live, k, 0)  # [B]
-        accept_parents = jnp.where(own[:, None] > 0, proposal.parents, -2)  # [B, N]
-        first = first_children(proposal.parents, k)  # [B, K]
-        chain = jnp.where(first >= 0, jnp.take_along_axis(draft, jnp.maximum(first, 0), axis=1), -1)  # [B, K]
-        branch = (jnp.max(own) > 0).astype(jnp.int32)  # []
-        return Verification(tokens_in, draft, q, own, branch, proposal.parents, accept_parents, chain)
-    if len(lengths) == 1 and proposal.active is None and not policed:
+    tree = proposal.parents is not None
+    if not tree and len(lengths) == 1 and proposal.active is None and not policed:
         return Verification(tokens_in, draft, q, jnp.full((b,), k, jnp.int32), None)
-    want = jnp.full((b,), k, jnp.int32) if proposal.length is None else proposal.length  # [B]
+    want = jnp.full((b,), nodes, jnp.int32) if proposal.length is None else proposal.length  # [B]
     table = jnp.asarray((0, *lengths), jnp.int32)
     own = jnp.where(active & (want > 0), table[1 + jnp.searchsorted(jnp.asarray(lengths), want)], 0)  # [B]
-    own = jnp.where(pl.force_verify & pl.live, k, own)  # timing: every live row checks all K
+    own = jnp.where(pl.force_verify & pl.live, nodes, own)  # timing: every live row checks all N
     branch = jnp.searchsorted(table, jnp.max(own))  # [] own values are table entries
-    keep = jnp.arange(k)[None] < own[:, None]  # [B, K]
+    keep = jnp.arange(nodes)[None] < own[:, None]  # [B, N]
+    if tree:
+        accept_parents = jnp.where(keep, proposal.parents, -2)  # [B, N]
+        first = first_children(proposal.parents, k)  # [B, K]
+        chain = jnp.where(first >= 0, jnp.take_along_axis(draft, jnp.maximum(first, 0), axis=1), -1)  # [B, K]
+        reach = jnp.where(keep & (proposal.parents > -2), depths(proposal.parents) + 1, 0)  # [B, N]
+        depth = jnp.max(reach, axis=1)  # [B] a tree row checks as deep as its own nodes go
+        return Verification(tokens_in, draft, q, depth, branch, proposal.parents, accept_parents, chain)
     masked = jnp.where(keep, draft, -1)  # [B, K]
     q = None if q is None else jnp.where(keep[:, :, None], q, 0.0)  # [B, K, V]
     return Verification(tokens_in, masked, q, own, branch)
@@ -334,8 +335,9 @@ def verify(
 
     The pass reads the cache and returns its new keys and values unwritten (`commit` writes them
     after whichever branch ran: inside a `lax.switch` branch XLA copied the cache). The passes:
-    the plain one-token step (branch 0), a verify of each listed prefix length, or the tree under
-    its ancestor mask, node i at position lengths + 1 + depth(i)."""
+    the plain one-token step (branch 0), then a verify of each listed prefix length: a chain's
+    first L drafts, or a tree's first L nodes under their ancestor mask, node i at position
+    lengths + 1 + depth(i)."""
     b, k = ver.tokens_in.shape[0], drafter.accept_width
     layers = drafter.feature_layers
 
@@ -368,14 +370,24 @@ def verify(
         tok = sample(seeds, model.logits(h[:, 0]), samp)  # [B]
         return full_width(PassOutput(jnp.zeros((b,), jnp.int32), tok[:, None], new_kv, features, final_of(h)))
 
-    def tree_pass(tokens_in, draft, q, cache, seeds):
-        """[last, nodes] [B, N+1] under the ancestor mask; the accepted path's outputs, root first."""
-        par = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), ver.parents + 1], axis=1)  # [B, N+1]: last is root
-        mask = ancestor_mask(par)  # [B, N+1, N+1]
-        positions = cache.lengths[:, None] + jnp.sum(mask, axis=-1) - 1  # [B, N+1]
-        h, new_kv, features = model.hidden_kv(tokens_in, cache, layers, positions=positions, mask=mask)
+    def tree_pass(length, tokens_in, draft, q, cache, seeds):
+        """The first `length` nodes, [last, nodes] [B, length+1], under the ancestor mask; the
+        accepted path's outputs, root first."""
+        parents = ver.parents[:, :length]  # [B, L]
+        par = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents + 1], axis=1)  # [B, L+1]: last is root
+        mask = ancestor_mask(par)  # [B, L+1, L+1]
+        positions = cache.lengths[:, None] + jnp.sum(mask, axis=-1) - 1  # [B, L+1]
+        h, new_kv, features = model.hidden_kv(tokens_in[:, : length + 1], cache, layers, positions=positions, mask=mask)
         n, emitted, path = accept(
-            model.logits(h), draft, None, samp, seeds, all_greedy, implementation, parents=ver.accept_parents, width=k
+            model.logits(h),
+            draft[:, :length],
+            None,
+            samp,
+            seeds,
+            all_greedy,
+            implementation,
+            parents=ver.accept_parents[:, :length],
+            width=k,
         )  # [B], [B, K+1], [B, K]
         rows = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.maximum(path, -1) + 1], axis=1)  # [B, K+1]
         features = None if features is None else jnp.take_along_axis(features, rows[None, :, :, None], axis=2)
@@ -385,11 +397,8 @@ def verify(
     args = (ver.tokens_in, ver.draft, ver.q, cache, seeds)
     if ver.branch is None:  # K = 0 (plain decoding), or one listed length and nothing to gate
         return chain_pass(k, *args)
-    passes = (
-        [plain_pass, tree_pass]
-        if ver.parents is not None
-        else [plain_pass] + [partial(chain_pass, x) for x in drafter.verify_lengths]
-    )
+    verify_pass = chain_pass if ver.parents is None else tree_pass
+    passes = [plain_pass] + [partial(verify_pass, x) for x in drafter.verify_lengths]
     return jax.lax.switch(ver.branch, passes, *args)
 
 
