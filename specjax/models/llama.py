@@ -46,10 +46,10 @@ def linear(w: jax.Array, x: jax.Array, out_dtype=None) -> jax.Array:
     """`x @ w^T`: the fused multiply-reduce for 2..FEW_ROWS_MAX rows on CPU, else a dot.
 
     Both paths accumulate in f32, or f64 for f64 weights (the multiply-reduce upcasts inside its
-    fusion rather than round bf16 products before the sum). Logits ask for f32 output: bf16 logits (8-bit mantissa, an ulp
-    of 0.06 at 10) tie the top two tokens often. Row counts still change the summation order, so a
-    K + 1-row verify pass and a one-row plain step agree to rounding, not bit for bit (README,
-    "Lossless, and what precision does to it").
+    fusion rather than round bf16 products before the sum). Logits ask for f32 output: bf16 logits
+    (8-bit mantissa, an ulp of 0.06 at 10) tie the top two tokens often. Row counts still change
+    the summation order, so a K + 1-row verify pass and a one-row plain step agree to rounding, not
+    bit for bit (README, "Lossless, and what precision does to it").
 
     Args:
       w: [O, I] weight (HF layout).
