@@ -118,21 +118,28 @@ class OracleDrafter(Drafter):
         return Proposal(draft, length=jnp.asarray(self.want, jnp.int32)), state
 
 
+def oracle_run(new: int = 22):
+    """A tiny model's engine, two prompts, their sampling params, plain greedy output, and the
+    reference table `[2, 64]` (prompt + output) an oracle drafter reads its drafts from."""
+    model = random_model(tiny(num_layers=2), seed=0)
+    engine = Engine(model)
+    prompts = [[1, 2, 3, 1, 2], [9, 8, 7]]
+    params = [SamplingParams(max_new_tokens=new)] * 2
+    plain = [r.token_ids for r in engine.generate(prompts, params)]
+    ref = np.zeros((2, 64), np.int32)
+    for i, (p, t) in enumerate(zip(prompts, plain)):
+        ref[i, : len(p) + len(t)] = p + t
+    return engine, prompts, params, plain, ref
+
+
 @pytest.mark.parametrize("want, per_step", [([2, 2], [3, 3]), ([6, 6], [7, 7]), ([2, 6], [3, 7]), ([1, 0], [3, 1])])
 def test_engine_verifies_the_shortest_listed_prefix_rows_want(want, per_step):
     """All drafts are right, so a step emits exactly (checked drafts + 1) tokens. Each row checks
     what it would check alone: wanting 2, the 2-draft prefix (3 tokens a step) even when a mate
     wanting 6 makes the batch take the 6-draft pass; wanting 1 rounds up to the shortest listed
     length (2); wanting 0, nothing (a plain step inside the pass). Output = plain."""
-    model = random_model(tiny(num_layers=2), seed=0)
-    engine = Engine(model)
-    prompts = [[1, 2, 3, 1, 2], [9, 8, 7]]
-    new = 22
-    params = [SamplingParams(max_new_tokens=new)] * 2
-    plain = [r.token_ids for r in engine.generate(prompts, params)]
-    ref = np.zeros((2, 64), np.int32)
-    for i, (p, t) in enumerate(zip(prompts, plain)):
-        ref[i, : len(p) + len(t)] = p + t
+    engine, prompts, params, plain, ref = oracle_run()
+    new = params[0].max_new_tokens
     rows = engine.generate(prompts, params, drafter=OracleDrafter(ref, 6, (2, 6), want))
     assert [r.token_ids for r in rows] == plain
     for r, n in zip(rows, per_step):
@@ -164,15 +171,8 @@ def test_tree_rows_verify_the_prefix_of_nodes_they_want(want, per_step):
     """A tree's nodes come parents first, so its first L nodes are a tree: a row wanting 2 nodes
     checks the spine's first 2 (3 tokens a step) even when a mate wanting 6 makes the batch take
     the 6-node pass, which accepts that mate's whole spine of 4 (5 a step). Output = plain."""
-    model = random_model(tiny(num_layers=2), seed=0)
-    engine = Engine(model)
-    prompts = [[1, 2, 3, 1, 2], [9, 8, 7]]
-    new = 22
-    params = [SamplingParams(max_new_tokens=new)] * 2
-    plain = [r.token_ids for r in engine.generate(prompts, params)]
-    ref = np.zeros((2, 64), np.int32)
-    for i, (p, t) in enumerate(zip(prompts, plain)):
-        ref[i, : len(p) + len(t)] = p + t
+    engine, prompts, params, plain, ref = oracle_run()
+    new = params[0].max_new_tokens
     rows = engine.generate(prompts, params, drafter=OracleTreeDrafter(ref, want))
     assert [r.token_ids for r in rows] == plain
     for r, n in zip(rows, per_step):
