@@ -36,7 +36,7 @@ from flax import struct
 
 from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext
 from specjax.models.kv_cache import KVCache, KVUpdate, write_rows
-from specjax.models.tree import ancestor_mask, depths, first_children
+from specjax.models.tree import ancestor_mask, first_children
 from specjax.policy.rows import FORCE, RowPolicy
 from specjax.policy.rows import plan as policy_plan
 from specjax.policy.rows import update as policy_update
@@ -101,6 +101,7 @@ class Verification:
     parents: Any = None  # [B, K] int32 the tree's parents as drafted, or None: a chain
     accept_parents: Any = None  # [B, K] int32 parents for the accept step (-2: the row accepts nothing)
     chain: Any = None  # [B, K] int32 the tree's top-1 chain (-1 past its end), or None
+    mask: Any = None  # [B, N+1, N+1] bool the tree's ancestor mask over [last, nodes], or None
 
 
 @struct.dataclass
@@ -313,9 +314,11 @@ def schedule(drafter: Drafter, proposal: Proposal, pl: StepPlan, policed: bool) 
         accept_parents = jnp.where(keep, proposal.parents, -2)  # [B, N]
         first = first_children(proposal.parents, k)  # [B, K]
         chain = jnp.where(first >= 0, jnp.take_along_axis(draft, jnp.maximum(first, 0), axis=1), -1)  # [B, K]
-        reach = jnp.where(keep & (proposal.parents > -2), depths(proposal.parents) + 1, 0)  # [B, N]
-        depth = jnp.max(reach, axis=1)  # [B] a tree row checks as deep as its own nodes go
-        return Verification(tokens_in, draft, q, depth, branch, proposal.parents, accept_parents, chain)
+        par = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), proposal.parents + 1], axis=1)  # [B, N+1]: last is root
+        mask = ancestor_mask(par)  # [B, N+1, N+1]; a prefix's ancestors lie in the prefix
+        reach = jnp.sum(mask[:, 1:], axis=-1) - 1  # [B, N] node i's depth + 1
+        depth = jnp.max(jnp.where(keep & (proposal.parents > -2), reach, 0), axis=1)  # [B] as deep as its own nodes go
+        return Verification(tokens_in, draft, q, depth, branch, proposal.parents, accept_parents, chain, mask)
     masked = jnp.where(keep, draft, -1)  # [B, K]
     q = None if q is None else jnp.where(keep[:, :, None], q, 0.0)  # [B, K, V]
     return Verification(tokens_in, masked, q, own, branch)
@@ -373,9 +376,7 @@ def verify(
     def tree_pass(length, tokens_in, draft, q, cache, seeds):
         """The first `length` nodes, [last, nodes] [B, length+1], under the ancestor mask; the
         accepted path's outputs, root first."""
-        parents = ver.parents[:, :length]  # [B, L]
-        par = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents + 1], axis=1)  # [B, L+1]: last is root
-        mask = ancestor_mask(par)  # [B, L+1, L+1]
+        mask = ver.mask[:, : length + 1, : length + 1]  # [B, L+1, L+1]
         positions = cache.lengths[:, None] + jnp.sum(mask, axis=-1) - 1  # [B, L+1]
         h, new_kv, features = model.hidden_kv(tokens_in[:, : length + 1], cache, layers, positions=positions, mask=mask)
         n, emitted, path = accept(
