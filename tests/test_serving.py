@@ -188,8 +188,7 @@ def test_tree_serving_is_token_identical_across_tree_sizes(target, prompts):
     """Trees served: K counts a tree's nodes, each K its own compiled variant (the tree's depth
     clamped to K), random K per chunk over mixed-length rows and resizes: every greedy row equals
     plain decoding, and (self-drafting) every first draft is accepted: the top-1 child is always
-    in the tree and is the target's argmax, so the draft model's cache stayed in sync; deeper
-    nodes may be siblings off the top-1 path."""
+    in the tree and is the target's argmax, so the draft model's cache stayed in sync."""
     drafter = DraftModelDrafter(6, target, target.config).with_tree(2, 3)
     e = SlotEngine(target, drafter, ks=(0, 2, 6), buckets=BUCKETS, max_seq_len=MAX_SEQ)
     assert e.accept_widths == {0: 0, 2: 2, 6: 3} and e.stat_width == 3
@@ -208,7 +207,10 @@ def test_tree_serving_is_token_identical_across_tree_sizes(target, prompts):
         assert r.token_ids == want
         acc, chk = r.sample.accepted, r.sample.checked
         assert acc[0] == chk[0] > 0 and (acc <= chk).all()
-    assert sum(r.sample.accepted[1] for r in reqs) > 0 and sum(r.sample.checked[2] for r in reqs) > 0
+    # Six nodes of this near-uniform target's top-2 tree are its 2 + 4 best paths, none 3 deep
+    # (path probabilities rank depth 3 last): depth 2 is accepted, and depth 3, never drafted, is
+    # never counted as checked (a tree row checks as deep as its own nodes go).
+    assert sum(r.sample.accepted[1] for r in reqs) > 0 and sum(r.sample.checked[2] for r in reqs) == 0
     assert e.compiles_after_warmup == 0
 
 
