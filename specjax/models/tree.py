@@ -28,7 +28,12 @@ def ancestor_mask(parents: jax.Array) -> jax.Array:
 
 def depths(parents: jax.Array) -> jax.Array:
     """parents `[B, T]` -> depth `[B, T]` int32 (0 for children of the committed prefix)."""
-    return jnp.sum(ancestor_mask(parents), axis=-1).astype(jnp.int32) - 1
+    return mask_depths(ancestor_mask(parents))
+
+
+def mask_depths(mask: jax.Array) -> jax.Array:
+    """An `ancestor_mask` `[B, T, T]` -> depth `[B, T]` int32 (its ancestors within the tree)."""
+    return jnp.sum(mask, axis=-1).astype(jnp.int32) - 1
 
 
 def chain_parents(batch: int, t: int) -> jax.Array:

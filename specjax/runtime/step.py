@@ -36,7 +36,7 @@ from flax import struct
 
 from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext
 from specjax.models.kv_cache import KVCache, KVUpdate, write_rows
-from specjax.models.tree import ancestor_mask, first_children
+from specjax.models.tree import ancestor_mask, first_children, mask_depths
 from specjax.policy.rows import FORCE, RowPolicy
 from specjax.policy.rows import plan as policy_plan
 from specjax.policy.rows import update as policy_update
@@ -316,7 +316,7 @@ def schedule(drafter: Drafter, proposal: Proposal, pl: StepPlan, policed: bool) 
         chain = jnp.where(first >= 0, jnp.take_along_axis(draft, jnp.maximum(first, 0), axis=1), -1)  # [B, K]
         par = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), proposal.parents + 1], axis=1)  # [B, N+1]: last is root
         mask = ancestor_mask(par)  # [B, N+1, N+1]; a prefix's ancestors lie in the prefix
-        reach = jnp.sum(mask[:, 1:], axis=-1) - 1  # [B, N] node i's depth + 1
+        reach = mask_depths(mask)[:, 1:]  # [B, N] node i's depth + 1 (last is depth 0)
         depth = jnp.max(jnp.where(keep & (proposal.parents > -2), reach, 0), axis=1)  # [B] as deep as its own nodes go
         return Verification(tokens_in, draft, q, depth, branch, proposal.parents, accept_parents, chain, mask)
     masked = jnp.where(keep, draft, -1)  # [B, K]
@@ -377,7 +377,7 @@ def verify(
         """The first `length` nodes, [last, nodes] [B, length+1], under the ancestor mask; the
         accepted path's outputs, root first."""
         mask = ver.mask[:, : length + 1, : length + 1]  # [B, L+1, L+1]
-        positions = cache.lengths[:, None] + jnp.sum(mask, axis=-1) - 1  # [B, L+1]
+        positions = cache.lengths[:, None] + mask_depths(mask)  # [B, L+1]
         h, new_kv, features = model.hidden_kv(tokens_in[:, : length + 1], cache, layers, positions=positions, mask=mask)
         n, emitted, path = accept(
             model.logits(h),
