@@ -52,7 +52,7 @@ def test_auto_policy_records_cost_tables_and_resume_reuses_them(batch_model, job
     first = read_rows(out)
     assert set(state["classes"]) == {"4/greedy", "4/sampled"}
     for entry in state["classes"].values():
-        assert len(entry["costs"]) == 4 and entry["costs"][0] == 1.0 and entry["batches"] >= 1
+        assert len(entry["costs"]) == 4 and entry["costs"][0] >= 1.0 and entry["batches"] >= 1
         assert entry["gain"] > 0.0 and entry["speculates"] == (entry["gain"] >= 1.05)
     assert_same(first, reference, list(reference), greedy_only=True)  # lossless
     for cls, entry in summary["speculation"].items():

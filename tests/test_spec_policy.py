@@ -116,17 +116,19 @@ def test_well_accepted_drafter_keeps_verifying():
 def test_policy_rule_on_observations():
     """A rejected probe waits b, then 2b, ... steps (at most 2 * MAX_WAIT), resuming on a multiple
     of its wait, so rows that wait as long probe together; a paying verify keeps a row on; a row
-    whose drafter proposed nothing learns nothing; a done row never verifies; a table under
-    which no width can pay never verifies."""
+    whose drafter declines counts that step at the table's declined-step cost; a done row never
+    verifies; a table under which no width can pay never verifies."""
     b = 4
-    pol = policy_rows.new_policy(b, policy_costs.cost_table(4, 2.0), policy_rows.AUTO)
+    pol = policy_rows.new_policy(b, policy_costs.cost_table(4, 2.0, 1.3), policy_rows.AUTO)
     live = jnp.array([True, True, True, False])
     steps = jnp.zeros(b, jnp.int32)
     on = policy_rows.plan(pol, live, steps)
     assert on.tolist() == [True, True, True, False]
     width = jnp.array([4, 4, 0, 0])
     pol = policy_rows.update(pol, on, steps, width, jnp.array([1, 4, 0, 0]), jnp.array([0, 4, 0, 0]))
-    assert pol.resume.tolist() == [2, 0, 0, 0] and pol.backoff.tolist() == [2, 1, 1, 1]
+    # Row 2 declined: a fifth of its steps (prior) verify at the prior acceptance 1/2, 1.94 tokens
+    # for 2 plain steps, the others emit 1 token for 1.3: 1.19 tokens for 1.44.
+    assert pol.resume.tolist() == [2, 0, 2, 0] and pol.backoff.tolist() == [2, 1, 2, 1]
     probes = [0]
     for t in range(1, 700):
         steps = jnp.full(b, t, jnp.int32)
@@ -148,6 +150,24 @@ def test_policy_rule_on_observations():
     assert not bool(jnp.any(policy_rows.plan(never, live, jnp.zeros(b, jnp.int32))))
     forced = policy_rows.new_policy(b, policy_costs.cost_table(4, 5.5), policy_rows.FORCE)
     assert policy_rows.plan(forced, live, jnp.zeros(b, jnp.int32)).tolist() == live.tolist()
+    idle = policy_rows.new_policy(b, policy_costs.cost_table(4, 5.5), policy_rows.IDLE)
+    assert not bool(jnp.any(policy_rows.plan(idle, live, jnp.zeros(b, jnp.int32))))
+
+
+@pytest.mark.parametrize("idle_cost, on_share", [(1.0, 1.0), (1.1, 0.03)])
+def test_declined_steps_turn_a_gated_row_off_when_they_cost(idle_cost, on_share):
+    """A row whose verifies pay (all 4 drafts accepted) but whose drafter then declines on every
+    step: when a declined step costs what a plain one does it stays on (nothing is lost by
+    asking), when it costs 10% more the row switches off and probes with backoff."""
+    pol = policy_rows.new_policy(1, policy_costs.cost_table(4, 2.0, idle_cost), policy_rows.AUTO)
+    live, ones = jnp.array([True]), jnp.ones(1, jnp.int32)
+    pol = policy_rows.update(pol, live, 0 * ones, 4 * ones, 4 * ones, 4 * ones)
+    on_steps = 0
+    for t in range(1, 1000):
+        on = policy_rows.plan(pol, live, t * ones)
+        on_steps += int(on[0])
+        pol = policy_rows.update(pol, on, t * ones, 0 * ones, 0 * ones, 0 * ones)
+    assert on_steps / 999 == on_share if on_share == 1.0 else on_steps / 999 <= on_share, on_steps
 
 
 def test_skipping_proposals_leaves_every_decision_unchanged(default_model, real):
@@ -197,14 +217,16 @@ def test_generate_auto_measures_costs_once_and_caches_them_on_disk(default_model
     stored = json.loads((tmp_path / "step-costs.json").read_text())
     (key,) = stored
     assert default_model.name in key and "ngram" in key and "B1" in key
-    assert 1.0 < stored[key] < 5.0  # a 5-token verify costs more than a plain step and less than five
+    verify_cost, idle_cost = stored[key]
+    assert 1.0 < verify_cost < 5.0  # a 5-token verify costs more than a plain step and less than five
+    assert 0.5 < idle_cost < verify_cost  # a declined n-gram step costs about a plain step
     monkeypatch.setattr(policy_costs, "_COSTS", {})  # a new process: only the file remains
     monkeypatch.setattr(engine, "generate", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured again")))
     drafter = make_drafter("ngram", 4, default_model)
     table = policy_costs.measure_costs(
         engine, ids[:1], [SamplingParams(max_new_tokens=40)], default_model.config.eos_token_ids, drafter, "ngram"
     )
-    assert table.shape == (5,) and table[0] == 1.0 and table[-1] == pytest.approx(stored[key])
-    assert np.all(np.diff(table) >= 0)
+    assert table.shape == (5,) and table[0] == max(idle_cost, 1.0) and table[-1] == pytest.approx(verify_cost)
+    assert np.all(np.diff(table[1:]) >= 0) and table[1] > 1.0
     with pytest.raises(specjax.InvalidSamplingError, match="spec_policy"):
         specjax.generate(PROMPTS[:1], model=default_model, drafter="ngram", spec_policy="sometimes")

@@ -16,15 +16,19 @@ import os
 import jax
 import numpy as np
 
-from specjax.policy.rows import ALWAYS, FORCE
+from specjax.policy.rows import ALWAYS, FORCE, IDLE
 
 
-def cost_table(k: int, verify_cost: float) -> np.ndarray:
-    """[K + 1] costs in plain steps: 1 at L = 0, `verify_cost` at L = K, linear between."""
-    return (1.0 + (max(verify_cost, 1.0) - 1.0) * np.arange(k + 1) / max(k, 1)).astype(np.float32)
+def cost_table(k: int, verify_cost: float, idle_cost: float = 1.0) -> np.ndarray:
+    """[K + 1] costs in plain steps: a verify of L >= 1 drafts linear from 1 at L = 0 to
+    `verify_cost` at L = K; entry 0 the step on which the drafter ran and declined (`idle_cost`,
+    at least a plain step)."""
+    table = 1.0 + (max(verify_cost, 1.0) - 1.0) * np.arange(k + 1) / max(k, 1)
+    table[0] = max(idle_cost, 1.0)
+    return table.astype(np.float32)
 
 
-_COSTS: dict[str, float] = {}
+_COSTS: dict[str, tuple[float, float]] = {}  # cost_key -> (verify of K drafts, declined step), in plain steps
 PROBE_TOKENS = 24
 
 
@@ -54,15 +58,18 @@ def cost_key(model, drafter, label: str, batch: int) -> str:
 def measure_costs(engine, prompt_ids, params, eos_ids, drafter, label: str) -> np.ndarray:
     """[K + 1] cost table for this batch (K: the drafter's `accept_width`): the decode loop over
     the batch's own prompts and shapes (`PROBE_TOKENS` tokens a row) timed with every live row
-    verifying all K drafts (`FORCE`) and plain, after one untimed run of each (the first loop runs
-    after compiling are slow). The verify-to-plain ratio is cached in memory and in `$SPECJAX_CACHE/step-costs.json`."""
+    verifying all K drafts (`FORCE`), with the drafter proposing and no row verifying (`IDLE`,
+    what a gated drafter's declined step costs), and plain, after one untimed run of each (the
+    first loop runs after compiling are slow). The two ratios to plain are cached in memory and in
+    `$SPECJAX_CACHE/step-costs.json`."""
     k = drafter.accept_width
     key = cost_key(engine.model, drafter, label, len(prompt_ids))
     if key not in _COSTS:
         try:
             with open(_costs_file()) as fh:
-                _COSTS.update({k_: float(v) for k_, v in json.load(fh).items()})
-        except (OSError, ValueError, AttributeError):
+                stored = json.load(fh)
+            _COSTS.update({k_: (float(v[0]), float(v[1])) for k_, v in stored.items() if isinstance(v, list)})
+        except (OSError, ValueError, AttributeError, IndexError, TypeError):
             pass
     if key not in _COSTS:
 
@@ -71,8 +78,8 @@ def measure_costs(engine, prompt_ids, params, eos_ids, drafter, label: str) -> n
             return rows[0].decode_seconds / max(max(r.steps for r in rows), 1)
 
         for _ in range(2):  # the first of each is a warm-up
-            verify_s, plain_s = per_step(FORCE, drafter), per_step(ALWAYS, None)
-        _COSTS[key] = verify_s / plain_s
+            verify_s, idle_s, plain_s = per_step(FORCE, drafter), per_step(IDLE, drafter), per_step(ALWAYS, None)
+        _COSTS[key] = (verify_s / plain_s, idle_s / plain_s)
         try:
             os.makedirs(os.path.dirname(_costs_file()), exist_ok=True)
             tmp = f"{_costs_file()}.tmp{os.getpid()}"
@@ -81,7 +88,7 @@ def measure_costs(engine, prompt_ids, params, eos_ids, drafter, label: str) -> n
             os.replace(tmp, _costs_file())
         except OSError:
             pass  # an unwritable cache: measured again next run
-    return cost_table(k, _COSTS[key])
+    return cost_table(k, *_COSTS[key])
 
 
 def measure_gains(engine, prompt_ids, params, eos_ids, drafters: dict, labels: dict, rows: int | None = None) -> dict:

@@ -19,8 +19,14 @@ The state rides in `LoopState.policy` (specjax/runtime/engine.py); the engine ca
 
 Estimate: with `a` the row's decayed accepted drafts and `c` its decayed checked draft positions
 (prior: one accept in two checks), alpha = a / c, and a verify of L drafts emits in expectation
-1 + alpha + ... + alpha^L tokens (positions accepted independently at rate alpha). Cost of a
-verify of L drafts, in plain steps: `costs[L]`.
+1 + alpha + ... + alpha^L tokens (positions accepted independently at rate alpha). A step on
+which the row may verify costs `costs[L]` plain steps when it verifies L drafts, and `costs[0]`
+when its drafter declines (a gated drafter, e.g. EAGLE-3's confidence gate, proposed and found
+nothing worth a verify: the drafter ran, the target took a plain step). With `s` the row's decayed
+share of such steps that verified (prior: they all do, with a small weight), a step with the row on is worth
+s * E[tokens] + (1 - s) tokens for s * costs[L] + (1 - s) * costs[0] plain steps; the row stays on
+while that is at least 1 token per plain step. Declined steps count because they are not free:
+a row whose gate declines on most steps pays its drafter on each of them for nothing.
 """
 
 from __future__ import annotations
@@ -30,19 +36,25 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-AUTO, ALWAYS, FORCE = 0, 1, 2  # `mode`: decide per row | verify whenever the drafter wants | time verify
+# `mode`: decide per row | verify whenever the drafter wants | time verify | time declined steps
+AUTO, ALWAYS, FORCE, IDLE = 0, 1, 2, 3
 MAX_WAIT = 128  # the longest wait (in the row's steps) between probes
 DECAY = 0.9  # weight of the previous observations at each verify step
 PRIOR_ACCEPTED, PRIOR_CHECKED = 1.0, 2.0
+# Prior of the share of on-steps that verify: all of them, worth a quarter of a step, so that a
+# row whose drafter keeps declining sees its share fall to ~2% (the decayed counts hold ~10 steps).
+PRIOR_VERIFIED = 0.25
 NEVER = np.iinfo(np.int32).max  # `resume` of rows whose table says no verify can pay
 
 
 @struct.dataclass
 class RowPolicy:
-    costs: jax.Array  # [K + 1] f32, cost of verifying L drafts in plain steps (costs[0] = 1)
+    costs: jax.Array  # [K + 1] f32, cost of verifying L drafts in plain steps (costs[0]: a declined step)
     mode: jax.Array  # [] int32: AUTO | ALWAYS | FORCE
     accepted: jax.Array  # [B] f32, decayed accepted drafts
     checked: jax.Array  # [B] f32, decayed checked draft positions
+    tried: jax.Array  # [B] f32, decayed steps on which the row could verify
+    verified: jax.Array  # [B] f32, decayed steps on which it did
     resume: jax.Array  # [B] int32, the row's step count from which it may verify again
     backoff: jax.Array  # [B] int32, the wait after the next failed probe
 
@@ -62,6 +74,8 @@ def new_policy(b: int, costs: np.ndarray, mode: int) -> RowPolicy:
         mode=jnp.asarray(mode, jnp.int32),
         accepted=jnp.zeros((b,), jnp.float32),
         checked=jnp.zeros((b,), jnp.float32),
+        tried=jnp.zeros((b,), jnp.float32),
+        verified=jnp.zeros((b,), jnp.float32),
         resume=jnp.full((b,), start, jnp.int32),
         backoff=jnp.ones((b,), jnp.int32),
     )
@@ -70,8 +84,8 @@ def new_policy(b: int, costs: np.ndarray, mode: int) -> RowPolicy:
 def plan(pol: RowPolicy, live: jax.Array, steps: jax.Array) -> jax.Array:
     """live [B] bool, steps [B] int32 (the rows' step counts) -> [B] bool: rows that may verify
     this step (the drafter still decides whether its drafts are worth it, e.g. the n-gram match or
-    EAGLE-3's gate)."""
-    return live & ((pol.mode != AUTO) | (steps >= pol.resume))
+    EAGLE-3's gate). IDLE: none (the drafter still proposes: `draft` in runtime/step.py)."""
+    return live & (pol.mode != IDLE) & ((pol.mode != AUTO) | (steps >= pol.resume))
 
 
 def expected_tokens(alpha: jax.Array, width: jax.Array) -> jax.Array:
@@ -85,18 +99,31 @@ def update(
 ) -> RowPolicy:
     """After a step. on [B] bool: `plan`'s rows; steps [B] int32: the rows' step counts at this
     step; width [B] int32: drafts the row verified (0: a plain step); checked/accepted [B] int32:
-    draft positions it checked (up to the first rejection) and accepted. A row that verified
-    updates its estimate and stays on while the expected tokens per unit cost of that width beat a
-    plain step (>= 1); else it waits: it may verify again from the first multiple of `backoff`
-    at least `backoff` steps on, and `backoff` doubles. A row whose drafter proposed nothing
-    learns nothing."""
+    draft positions it checked (up to the first rejection) and accepted. A row that was on updates
+    its estimates (acceptance only when it verified) and stays on while a step with it on is
+    expected to emit at least one token per plain step of cost (module doc; the width of a
+    declined step is taken as K); else it waits: it may verify again from the first multiple of
+    `backoff` at least `backoff` steps on, and `backoff` doubles."""
     looked = on & (width > 0)  # [B]
     acc = jnp.where(looked, DECAY * pol.accepted + accepted, pol.accepted)  # [B]
     chk = jnp.where(looked, DECAY * pol.checked + checked, pol.checked)  # [B]
+    tried = jnp.where(on, DECAY * pol.tried + 1.0, pol.tried)  # [B]
+    verified = jnp.where(on, DECAY * pol.verified + looked, pol.verified)  # [B]
     alpha = (acc + PRIOR_ACCEPTED) / (chk + PRIOR_CHECKED)  # [B]
-    w = jnp.clip(width, 1, pol.costs.shape[0] - 1)  # [B]
-    pays = expected_tokens(alpha, w) >= pol.costs[w]  # [B]
+    share = (verified + PRIOR_VERIFIED) / (tried + PRIOR_VERIFIED)  # [B]
+    k = pol.costs.shape[0] - 1
+    w = jnp.where(looked, jnp.clip(width, 1, k), k)  # [B]
+    tokens = share * expected_tokens(alpha, w) + (1.0 - share)  # [B]
+    cost = share * pol.costs[w] + (1.0 - share) * pol.costs[0]  # [B]
+    pays = tokens >= cost  # [B]
     later = (steps + 2 * pol.backoff) // pol.backoff * pol.backoff  # [B], in steps + backoff .. + 2 backoff - 1
-    resume = jnp.where(looked, jnp.where(pays, 0, later), pol.resume)  # [B]
-    backoff = jnp.where(looked, jnp.where(pays, 1, jnp.minimum(2 * pol.backoff, MAX_WAIT)), pol.backoff)
-    return pol.replace(accepted=acc, checked=chk, resume=resume.astype(jnp.int32), backoff=backoff.astype(jnp.int32))
+    resume = jnp.where(on, jnp.where(pays, 0, later), pol.resume)  # [B]
+    backoff = jnp.where(on, jnp.where(pays, 1, jnp.minimum(2 * pol.backoff, MAX_WAIT)), pol.backoff)
+    return pol.replace(
+        accepted=acc,
+        checked=chk,
+        tried=tried,
+        verified=verified,
+        resume=resume.astype(jnp.int32),
+        backoff=backoff.astype(jnp.int32),
+    )

@@ -202,7 +202,7 @@ class Engine:
             by_row, repl = NamedSharding(self.mesh, PartitionSpec("data")), NamedSharding(self.mesh, PartitionSpec())
             rows = jax.device_put(rows, by_row)
             if policy is not None:
-                policy = jax.device_put(policy, RowPolicy(repl, repl, by_row, by_row, by_row, by_row))
+                policy = jax.device_put(policy, RowPolicy(repl, repl, *[by_row] * 6))
         return rows, policy
 
     def generate(

@@ -37,7 +37,7 @@ from flax import struct
 from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext
 from specjax.models.kv_cache import KVCache, KVUpdate, write_rows
 from specjax.models.tree import ancestor_mask, first_children, mask_depths
-from specjax.policy.rows import FORCE, RowPolicy
+from specjax.policy.rows import FORCE, IDLE, RowPolicy
 from specjax.policy.rows import plan as policy_plan
 from specjax.policy.rows import update as policy_update
 from specjax.sampling import FIRST_TOKEN, STREAM_DRAFT, STREAM_SAMPLE, STREAM_VERIFY, SamplingArrays, derive, sample
@@ -84,6 +84,7 @@ class StepPlan:
     live: jax.Array  # [B] bool, rows still running
     on: jax.Array  # [B] bool, live rows the speculation policy lets verify (all live rows without one)
     force_verify: Any  # bool or [] bool: verify every live row's K drafts (the slot engine's timing)
+    force_draft: Any  # bool or [] bool: propose though no row may verify (timing declined steps: IDLE)
     last: jax.Array  # [B, 1] int32, each row's last emitted token (not in the cache yet)
     draft_seeds: jax.Array  # [B] uint32, this step's draft randomness
     verify_seeds: jax.Array  # [B] uint32, this step's accept randomness
@@ -249,9 +250,12 @@ def plan(st: LoopState, k: int, force_verify) -> StepPlan:
     last = jnp.take_along_axis(st.history, (st.hist_len - 1)[:, None], axis=1)  # [B, 1]
     pol = st.policy if k > 0 else None
     on = live if pol is None else policy_plan(pol, live, st.steps)  # [B]
+    force_draft = False
     if pol is not None:
         force_verify = force_verify | (pol.mode == FORCE)
-    return StepPlan(live, on, force_verify, last, derive(step_seed, STREAM_DRAFT), derive(step_seed, STREAM_VERIFY))
+        force_draft = pol.mode == IDLE
+    seeds = derive(step_seed, STREAM_DRAFT), derive(step_seed, STREAM_VERIFY)
+    return StepPlan(live, on, force_verify, force_draft, last, *seeds)
 
 
 def draft(drafter: Drafter, dparams, st: LoopState, pl: StepPlan, all_greedy: bool):
@@ -265,7 +269,7 @@ def draft(drafter: Drafter, dparams, st: LoopState, pl: StepPlan, all_greedy: bo
     ctx = StepContext(st.history, st.hist_len, st.sampling, pl.draft_seeds, all_greedy, pl.on, pl.force_verify, costs)
     if not (policed and drafter.proposal_optional):
         return (*drafter.propose(dparams, st.draft_state, ctx), st.pending)
-    drafting = jnp.any(pl.on) | pl.force_verify  # []
+    drafting = jnp.any(pl.on) | pl.force_verify | pl.force_draft  # []
     shapes = jax.eval_shape(drafter.propose, dparams, st.draft_state, ctx)
     idle = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[0])  # draft [B, K] 0, inactive
     if not defers_commits(drafter, st.policy):
