@@ -6,7 +6,8 @@ Vocabulary (one for all of it):
   token alone. Both emit tokens with the target's law, so any policy is lossless: it only decides
   what is worth the verify cost.
 * the *step cost* of width L: a verify step's time over a plain step's at the same batch bucket,
-  measured on this machine (costs.py).
+  measured on this machine (costs.py); width 0 in the per-row table: a *declined step*, on which
+  the drafter ran but proposed nothing worth verifying (a gate), so the target took a plain step.
 * *acceptance*: accepted over checked draft positions; *MAL*, tokens emitted per step; the
   *gain* of speculation: expected tokens per step over its cost in plain steps.
 
