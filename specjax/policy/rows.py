@@ -50,7 +50,7 @@ NEVER = np.iinfo(np.int32).max  # `resume` of rows whose table says no verify ca
 @struct.dataclass
 class RowPolicy:
     costs: jax.Array  # [K + 1] f32, cost of verifying L drafts in plain steps (costs[0]: a declined step)
-    mode: jax.Array  # [] int32: AUTO | ALWAYS | FORCE
+    mode: jax.Array  # [] int32: AUTO | ALWAYS | FORCE | IDLE
     accepted: jax.Array  # [B] f32, decayed accepted drafts
     checked: jax.Array  # [B] f32, decayed checked draft positions
     tried: jax.Array  # [B] f32, decayed steps on which the row could verify
