@@ -22,10 +22,10 @@ Estimate: with `a` the row's decayed accepted drafts and `c` its decayed checked
 1 + alpha + ... + alpha^L tokens (positions accepted independently at rate alpha). A step on
 which the row may verify costs `costs[L]` plain steps when it verifies L drafts, and `costs[0]`
 when its drafter declines (a gated drafter, e.g. EAGLE-3's confidence gate, proposed and found
-nothing worth a verify: the drafter ran, the target took a plain step). With `s` the row's decayed
-share of such steps that verified (prior: they all do, with a small weight), a step with the row on is worth
-s * E[tokens] + (1 - s) tokens for s * costs[L] + (1 - s) * costs[0] plain steps; the row stays on
-while that is at least 1 token per plain step. Declined steps count because they are not free:
+nothing worth a verify: the drafter ran, the target took a plain step). With `s` the row's
+decayed share of such steps that verified (prior: they all do, with a small weight), a step with
+the row on is worth s * E[tokens] + (1 - s) tokens for s * costs[L] + (1 - s) * costs[0] plain
+steps; the row stays on while that is at least 1 token per plain step. Declined steps count because they are not free:
 a row whose gate declines on most steps pays its drafter on each of them for nothing.
 """
 
@@ -39,7 +39,7 @@ from flax import struct
 # `mode`: decide per row | verify whenever the drafter wants | time verify | time declined steps
 AUTO, ALWAYS, FORCE, IDLE = 0, 1, 2, 3
 MAX_WAIT = 128  # the longest wait (in the row's steps) between probes
-DECAY = 0.9  # weight of the previous observations at each verify step
+DECAY = 0.9  # weight of the previous observations at each new one (acceptance: verify steps; share: on-steps)
 PRIOR_ACCEPTED, PRIOR_CHECKED = 1.0, 2.0
 # Prior of the share of on-steps that verify: all of them, worth a quarter of a step, so that a
 # row whose drafter keeps declining sees its share fall to ~2% (the decayed counts hold ~10 steps).
