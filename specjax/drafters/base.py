@@ -58,7 +58,7 @@ class InitContext:
     sampling: SamplingArrays
     features: Any  # [n, B, T, D] target features: outputs of the `feature_layers` over the prompt, or None
     final_hidden: Any  # [B, T, D] the target's final normed hidden state over the prompt, or None
-    cache_size: int = struct.field(pytree_node=False)
+    cache_size: int = struct.field(pytree_node=False)  # the drafter's cache: >= S (room for catch-ups)
     all_greedy: bool = struct.field(pytree_node=False)
 
 
@@ -113,9 +113,9 @@ class Drafter:
     # speculation policy lets no row verify (specjax/policy/rows.py).
     proposal_optional: bool = False
     # Whether the engine may defer `commit` after plain steps under a speculation policy: it keeps
-    # up to K + 1 plain steps' target states (`Pending`, specjax/runtime/engine.py) and hands them to
-    # `catch_up` in one context before the next proposal or once K + 1 have gathered, so a row
-    # that does not verify pays its drafter's upkeep once per K + 1 steps, in one wider pass.
+    # up to P plain steps' target states (`Pending`, specjax/runtime/step.py) and hands them to
+    # `catch_up` in one context before the next proposal or once P have gathered, so a row that
+    # does not verify pays its drafter's upkeep once per P steps, in one wider pass.
     lazy_commit: bool = False
     # Whether the state's layout or currency depends on K (MTP keeps one cache per draft depth), so
     # that one state cannot serve several K (runtime/slots.py).
@@ -220,10 +220,11 @@ class Drafter:
 
     def catch_up(self, dparams, state, ctx: CommitContext) -> Any:
         """The state after deferred plain steps (`lazy_commit`): `ctx` is shaped as a verify step's
-        (width K + 1) and holds each row's last `n_accepted + 1` emitted tokens and their target
-        states, which `propose` never saw. Must equal committing those steps one at a time (up to
-        float rounding). Default: `commit`, for drafters whose commit reads only the history and
-        the target states."""
+        but T >= K + 1 wide (tokens [B, T], target states over T positions; the drafter's cache
+        has room for T positions past the history, `InitContext.cache_size`) and holds each row's
+        last `n_accepted + 1` emitted tokens and their target states, which `propose` never saw.
+        Must equal committing those steps one at a time (up to float rounding). Default: `commit`,
+        for drafters whose commit takes any width and reads only the history and target states."""
         return self.commit(dparams, state, ctx)
 
 

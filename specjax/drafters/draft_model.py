@@ -182,12 +182,12 @@ class DraftModelDrafter(Drafter):
         return cache.with_lengths(ctx.hist_len - 2)
 
     def catch_up(self, dparams, cache, ctx: CommitContext):
-        """Feed the positions from the cache's length up to hist_len - 3 (at most K + 1 after
-        deferred plain steps) in one pass; entries written past them are scratch."""
+        """Feed the positions from the cache's length up to hist_len - 3 (at most T, the context's
+        width, after deferred plain steps) in one pass; entries written past them are scratch."""
         m = nnx.merge(self.model.graphdef, dparams["model"])
         start = cache.lengths  # [B]
-        idx = jnp.minimum(start[:, None] + jnp.arange(ctx.tokens.shape[1])[None], ctx.history.shape[1] - 1)  # [B, K+1]
-        _, cache, _ = m.hidden(jnp.take_along_axis(ctx.history, idx, axis=1), cache)  # [B, K+1] tokens
+        idx = jnp.minimum(start[:, None] + jnp.arange(ctx.tokens.shape[1])[None], ctx.history.shape[1] - 1)  # [B, T]
+        _, cache, _ = m.hidden(jnp.take_along_axis(ctx.history, idx, axis=1), cache)  # [B, T] tokens
         return cache.with_lengths(ctx.hist_len - 2)
 
     def propose(self, dparams, cache, ctx: StepContext):

@@ -270,7 +270,7 @@ class MTPDrafter(Drafter):
     name = "mtp"
     needs_final_hidden = True
     proposal_optional = True  # propose writes only scratch entries that commit overwrites
-    lazy_commit = True  # commit stores up to K + 1 new finals and reruns the modules over c .. c + K
+    lazy_commit = True  # commit stores T new finals and reruns the modules over c .. c + T - 1, any T
 
     def __init__(self, num_draft: int, weights: MTPWeights, target, draft_vocab=None):
         """`draft_vocab` (`d2t [N]`, optional): the target ids the modules may propose; the head
@@ -434,21 +434,22 @@ class MTPDrafter(Drafter):
         return to_target(tokens).astype(jnp.int32), parents, depths, scores
 
     def commit(self, dparams, st: MTPState, ctx: CommitContext) -> MTPState:
-        net, k_max, w = self._net(dparams), self.accept_width, self.window
+        """Store the T new finals (T = K + 1 after a verify step, wider in a deferred catch-up) and
+        rerun the modules over positions c .. c + T - 1, which hold every entry below the new c."""
+        net, w = self._net(dparams), self.window
         c, old_m, new_m = st.cache.lengths, st.m, ctx.hist_len - 1  # [B] each
-        length = st.fin.shape[1]  # L = W + K + 1
-        # verify-pass finals sit at old_m .. old_m + K, i.e. fin offsets old_m - c <= W
+        length, t = st.fin.shape[1], ctx.tokens.shape[1]  # L = W + K + 1, T
+        # the pass's finals sit at old_m .. old_m + T - 1, i.e. fin offsets from old_m - c <= W
+        fin = jnp.pad(st.fin, ((0, 0), (0, t), (0, 0)))  # [B, L + T, D]
         fin = jax.vmap(lambda f, new, s: jax.lax.dynamic_update_slice(f, new.astype(f.dtype), (s, 0)))(
-            st.fin, ctx.final_hidden, old_m - c
-        )  # [B, L, D]
-        pos = c[:, None] + jnp.arange(k_max + 1)[None]  # [B, K+1] positions c .. c + K
+            fin, ctx.final_hidden, old_m - c
+        )  # [B, L + T, D]
+        pos = c[:, None] + jnp.arange(t)[None]  # [B, T] positions c .. c + T - 1
         cos, sin = net.rope(pos)
-        h, cache = fin[:, : k_max + 1], st.cache  # [B, K+1, D]
-        for k in range(1, k_max + 1):  # entries kept (< c') read x_{j+k}, j + k <= new_m: committed
-            emb = jnp.take(dparams["embed"], gather_rows(ctx.history, pos + k), axis=0)  # [B, K+1, D]
+        h, cache = fin[:, :t], st.cache  # [B, T, D]
+        for k in range(1, self.accept_width + 1):  # entries kept (< c') read x_{j+k}, j + k <= new_m: committed
+            emb = jnp.take(dparams["embed"], gather_rows(ctx.history, pos + k), axis=0)  # [B, T, D]
             h, cache = net.run(k, emb, h, cache, cos, sin)
-        c_new = jnp.maximum(new_m - w, 0)  # [B], c_new - c <= K + 1
-        shifted = gather_rows(
-            jnp.pad(fin, ((0, 0), (0, length), (0, 0))), (c_new - c)[:, None] + jnp.arange(length)[None]
-        )  # [B, L, D]
+        c_new = jnp.maximum(new_m - w, 0)  # [B], c_new - c <= T
+        shifted = gather_rows(fin, (c_new - c)[:, None] + jnp.arange(length)[None])  # [B, L, D]
         return MTPState(cache.with_lengths(c_new), shifted, new_m)

@@ -37,7 +37,7 @@ from flax import struct
 from specjax.drafters.base import CommitContext, Drafter, InitContext, Proposal, StepContext
 from specjax.models.kv_cache import KVCache, KVUpdate, write_rows
 from specjax.models.tree import ancestor_mask, first_children, mask_depths
-from specjax.policy.rows import FORCE, IDLE, RowPolicy
+from specjax.policy.rows import FORCE, IDLE, NEVER, RowPolicy
 from specjax.policy.rows import plan as policy_plan
 from specjax.policy.rows import update as policy_update
 from specjax.sampling import FIRST_TOKEN, STREAM_DRAFT, STREAM_SAMPLE, STREAM_VERIFY, SamplingArrays, derive, sample
@@ -47,12 +47,13 @@ from specjax.verify import accept
 @struct.dataclass
 class Pending:
     """The emitted tokens the drafter has not committed yet, for drafters with `lazy_commit` under
-    a speculation policy: each row's last `count` emitted tokens (count <= K + 1) and the target
-    features the drafter's commit reads for them (slot i: the pass position that emitted token i)."""
+    a speculation policy: each row's last `count` emitted tokens (count <= P, `pending_width`) and
+    the target features the drafter's commit reads for them (slot i: the pass position that
+    emitted token i)."""
 
     count: jax.Array  # [B] int32
-    features: Any  # [n, B, K + 1, D] target features (`feature_layers` outputs) at those positions, or None
-    final_hidden: Any  # [B, K + 1, D] final normed hidden state at those positions, or None
+    features: Any  # [n, B, P, D] target features (`feature_layers` outputs) at those positions, or None
+    final_hidden: Any  # [B, P, D] final normed hidden state at those positions, or None
 
 
 @struct.dataclass
@@ -167,9 +168,12 @@ def init_state(
     history = history.at[jnp.arange(b), prompt_len].set(first)
     hist_len = prompt_len + 1  # [B]
     stop = _is_stop(first[:, None], rows.stop_ids)[:, 0]  # [B]
+    lazy = defers_commits(drafter, policy)
+    # A deferred catch-up writes P drafter-cache positions from the first deferred one: room past S.
+    room = s + (pending_width(drafter) if lazy else 0)
     dstate = drafter.init(
         dparams,
-        InitContext(prompt, prompt_len, history, hist_len, samp, features, final_hidden, s, all_greedy),
+        InitContext(prompt, prompt_len, history, hist_len, samp, features, final_hidden, room, all_greedy),
     )
     return LoopState(
         cache=cache,
@@ -188,7 +192,7 @@ def init_state(
         stop_ids=rows.stop_ids,
         sampling=samp,
         policy=policy,
-        pending=new_pending(drafter, b, features, final_hidden) if defers_commits(drafter, policy) else None,
+        pending=new_pending(drafter, b, features, final_hidden) if lazy else None,
     )
 
 
@@ -198,31 +202,43 @@ def defers_commits(drafter: Drafter, policy) -> bool:
     return policy is not None and drafter.num_draft > 0 and drafter.proposal_optional and drafter.lazy_commit
 
 
+# Plain steps a row defers its drafter's commits over before catching up, in one pass over them
+# all (or sooner, before its next proposal). A pass's cost grows far slower than its width at
+# small batch: at batch 1 on the 2-core CPU the MTP modules take 3.0 ms over 4 positions, 5.7 ms
+# over 16 and 8.2 ms over 32 (docs/performance.md), so a row that does not verify pays its
+# drafter's upkeep in a third of the time.
+PENDING_STEPS = 32
+
+
+def pending_width(drafter: Drafter) -> int:
+    """P: the most tokens a row's `Pending` holds (static; at least a verify step's K + 1)."""
+    return max(PENDING_STEPS, drafter.accept_width + 1)
+
+
 def new_pending(drafter: Drafter, b: int, features, final_hidden) -> Pending:
     """No deferred steps; buffers shaped after the prefill's features `[n, B, T, D]` and final
     hidden state `[B, T, D]` (None when the drafter reads none)."""
-    w = drafter.accept_width + 1
+    w = pending_width(drafter)
     feats = (
         None if features is None else jnp.zeros(features.shape[:2] + (w, features.shape[3]), features.dtype)
-    )  # [n, B, K+1, D]
+    )  # [n, B, P, D]
     final = (
         None if final_hidden is None else jnp.zeros((b, w, final_hidden.shape[2]), final_hidden.dtype)
-    )  # [B, K+1, D]
+    )  # [B, P, D]
     return Pending(jnp.zeros((b,), jnp.int32), feats, final)
 
 
 def defer(pend: Pending, n_emit, features, final_hidden) -> Pending:
     """Add a step's emitted tokens to `pend`: n_emit [B] tokens each row added to the history (0
     when not running), features [n, B, K + 1, D] / final_hidden [B, K + 1, D] the step's target states
-    (position j emitted token j). The caller keeps count + n_emit <= K + 1."""
+    (position j emitted token j). The caller keeps count + n_emit <= P."""
 
-    def put(buf, new, axis):  # buf, new [..., B, K+1, D]: slot count + j of a row gets new position j
-        src = jnp.arange(buf.shape[axis])[None] - pend.count[:, None]  # [B, K+1]
-        take = (src >= 0) & (src < n_emit[:, None])  # [B, K+1]
+    def put(buf, new, axis):  # buf [..., B, P, D], new [..., B, K+1, D]: slot count + j of a row gets position j
+        src = jnp.arange(buf.shape[axis])[None] - pend.count[:, None]  # [B, P]
+        take = (src >= 0) & (src < n_emit[:, None])  # [B, P]
         shape = (1,) * (buf.ndim - 3) + src.shape + (1,)
-        moved = jnp.take_along_axis(
-            new, jnp.broadcast_to(jnp.clip(src, 0, buf.shape[axis] - 1).reshape(shape), new.shape), axis=axis
-        )  # like buf
+        idx = jnp.clip(src, 0, new.shape[axis] - 1).reshape(shape)
+        moved = jnp.take_along_axis(new, jnp.broadcast_to(idx, buf.shape[:-1] + new.shape[-1:]), axis=axis)  # like buf
         return jnp.where(take.reshape(shape), moved, buf)
 
     return pend.replace(
@@ -232,13 +248,15 @@ def defer(pend: Pending, n_emit, features, final_hidden) -> Pending:
     )
 
 
-def catch_up(drafter: Drafter, dparams, dstate, pend: Pending, history, hist_len):
-    """Commit the deferred tokens in one context, as if one verify step had emitted each row's last
-    `count` tokens (n_accepted = count - 1; -1: none). Returns (drafter state, empty Pending)."""
-    w = drafter.accept_width + 1
-    idx = hist_len[:, None] - pend.count[:, None] + jnp.arange(w)[None]  # [B, K+1]
-    tokens = jnp.take_along_axis(history, jnp.clip(idx, 0, history.shape[1] - 1), axis=1)  # [B, K+1]
-    ctx = CommitContext(pend.count - 1, tokens, history, hist_len, pend.count > 0, pend.features, pend.final_hidden)
+def catch_up(drafter: Drafter, dparams, dstate, pend: Pending, history, hist_len, width: int):
+    """Commit the deferred tokens in one context `width` wide (count <= width <= P), as if one
+    verify step had emitted each row's last `count` tokens (n_accepted = count - 1; -1: none).
+    Returns (drafter state, empty Pending)."""
+    idx = hist_len[:, None] - pend.count[:, None] + jnp.arange(width)[None]  # [B, width]
+    tokens = jnp.take_along_axis(history, jnp.clip(idx, 0, history.shape[1] - 1), axis=1)  # [B, width]
+    feats = None if pend.features is None else pend.features[:, :, :width]  # [n, B, width, D]
+    final = None if pend.final_hidden is None else pend.final_hidden[:, :width]  # [B, width, D]
+    ctx = CommitContext(pend.count - 1, tokens, history, hist_len, pend.count > 0, feats, final)
     return drafter.catch_up(dparams, dstate, ctx), pend.replace(count=jnp.zeros_like(pend.count))
 
 
@@ -261,9 +279,12 @@ def plan(st: LoopState, k: int, force_verify) -> StepPlan:
 def draft(drafter: Drafter, dparams, st: LoopState, pl: StepPlan, all_greedy: bool):
     """Stage 2: the drafter's proposal. Under a speculation policy a `proposal_optional` drafter
     proposes only when some row may verify (else an idle proposal of zeros, inactive), and a
-    `lazy_commit` drafter first catches up its deferred commits, in the one conditional that also
-    proposes (XLA copies a buffer into a conditional whose two branches both write it; here the
-    other branch passes the state through). Returns (Proposal, drafter state, Pending or None)."""
+    `lazy_commit` drafter first catches up its deferred commits: in a pass P wide when some row
+    holds more than a verify step's K + 1 tokens (or P, so that this step's would not fit), else
+    K + 1 wide in the conditional that also proposes; when every live row is retired (`NEVER`),
+    its deferred commits are dropped instead. Each conditional writes the drafter's state
+    in one branch only and passes it through in the other (XLA copies a buffer into a conditional
+    whose two branches both write it). Returns (Proposal, drafter state, Pending or None)."""
     policed = st.policy is not None
     costs = st.policy.costs if policed else None  # [K + 1] or None
     ctx = StepContext(st.history, st.hist_len, st.sampling, pl.draft_seeds, all_greedy, pl.on, pl.force_verify, costs)
@@ -277,16 +298,26 @@ def draft(drafter: Drafter, dparams, st: LoopState, pl: StepPlan, all_greedy: bo
             drafting, lambda: drafter.propose(dparams, st.draft_state, ctx), lambda: (idle, st.draft_state)
         )
         return proposal, dstate, st.pending
-    pending = st.pending
+    kp1, p = drafter.accept_width + 1, pending_width(drafter)
+    count = st.pending.count  # [B]
+    wide = jnp.any(count >= p) | (drafting & jnp.any(count > kp1))  # []
+    # Rows whose table says no verify can pay never propose again: their upkeep is dropped.
+    retired = jnp.all((st.policy.resume == NEVER) | ~pl.live)  # []
+    dstate, pending = jax.lax.cond(
+        wide & ~retired,
+        lambda: catch_up(drafter, dparams, st.draft_state, st.pending, st.history, st.hist_len, p),
+        lambda: (st.draft_state, st.pending.replace(count=jnp.where(retired, 0, count))),
+    )
 
     def start():
-        dst, pend = catch_up(drafter, dparams, st.draft_state, pending, st.history, st.hist_len)
-        return jax.lax.cond(drafting, lambda: (*drafter.propose(dparams, dst, ctx), pend), lambda: (idle, dst, pend))
+        dst, pend = jax.lax.cond(
+            jnp.any(pending.count > 0),
+            lambda: catch_up(drafter, dparams, dstate, pending, st.history, st.hist_len, kp1),
+            lambda: (dstate, pending),
+        )
+        return (*drafter.propose(dparams, dst, ctx), pend)
 
-    # Catch up before proposing, or when a plain step would overfill `pending`.
-    return jax.lax.cond(
-        drafting | jnp.any(pending.count > drafter.accept_width), start, lambda: (idle, st.draft_state, pending)
-    )
+    return jax.lax.cond(drafting, start, lambda: (idle, dstate, pending))
 
 
 def schedule(drafter: Drafter, proposal: Proposal, pl: StepPlan, policed: bool) -> Verification:
