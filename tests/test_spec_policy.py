@@ -114,8 +114,9 @@ def test_well_accepted_drafter_keeps_verifying():
 
 
 def test_policy_rule_on_observations():
-    """A rejected probe waits b, then 2b, ... steps (at most 2 * MAX_WAIT), resuming on a multiple
-    of its wait, so rows that wait as long probe together; a paying verify keeps a row on; a row
+    """A rejected probe waits b, then 2b, ... steps (at most 2 * MAX_WAIT), b at least the wait
+    that keeps failed probes under PROBE_LOSS of the steps, resuming on a multiple of its wait, so
+    rows that wait as long probe together; a paying verify keeps a row on; a row
     whose drafter declines counts that step at the table's declined-step cost; a done row never
     verifies; a table under which no width can pay never verifies."""
     b = 4
@@ -126,9 +127,11 @@ def test_policy_rule_on_observations():
     assert on.tolist() == [True, True, True, False]
     width = jnp.array([4, 4, 0, 0])
     pol = policy_rows.update(pol, on, steps, width, jnp.array([1, 4, 0, 0]), jnp.array([0, 4, 0, 0]))
-    # Row 2 declined: a fifth of its steps (prior) verify at the prior acceptance 1/2, 1.94 tokens
-    # for 2 plain steps, the others emit 1 token for 1.3: 1.19 tokens for 1.44.
-    assert pol.resume.tolist() == [2, 0, 2, 0] and pol.backoff.tolist() == [2, 1, 2, 1]
+    # Row 0: acceptance 1/3 (prior included), 1.49 tokens for 2 plain steps: a loss of 0.51, so
+    # it waits 32 (the power of two below 0.51 / PROBE_LOSS) and resumes at 64. Row 2 declined: a
+    # fifth of its steps (prior) verify at the prior acceptance 1/2, 1.94 tokens for 2 plain
+    # steps, the others emit 1 token for 1.3: 1.19 tokens for 1.44, a loss of 0.25 (wait 16).
+    assert pol.resume.tolist() == [64, 0, 32, 0] and pol.backoff.tolist() == [64, 1, 32, 1]
     probes = [0]
     for t in range(1, 700):
         steps = jnp.full(b, t, jnp.int32)
@@ -137,7 +140,7 @@ def test_policy_rule_on_observations():
             probes.append(t)
         pol = policy_rows.update(pol, on, steps, jnp.where(on, 4, 0), jnp.where(on, 1, 0), jnp.zeros(b, jnp.int32))
     gaps = np.diff(probes)
-    assert probes[:6] == [0, 2, 6, 12, 24, 48], probes
+    assert probes[:5] == [0, 64, 192, 384, 640], probes
     assert np.all(np.diff(gaps) >= 0) and gaps.max() <= 2 * policy_rows.MAX_WAIT
     assert all(p % min(2**i, policy_rows.MAX_WAIT) == 0 for i, p in enumerate(probes[1:]))
     assert len(probes) / 700 < 0.02

@@ -3,7 +3,8 @@
 Each row keeps a running estimate of its drafts' acceptance and verifies only while the tokens a
 verify step is expected to emit, per unit of its measured cost, beat a plain step; otherwise it
 takes plain steps and probes again later, after a wait that doubles with every failed probe (up
-to `MAX_WAIT` steps). The decision for a step depends only on tokens already emitted and on the
+to `MAX_WAIT` steps) and is at least long enough that failed probes lose at most `PROBE_LOSS` of
+the row's steps at its current estimate. The decision for a step depends only on tokens already emitted and on the
 cost table, so the output law is untouched: every step, verifying or not, emits tokens with the
 target's law.
 
@@ -39,6 +40,10 @@ from flax import struct
 # `mode`: decide per row | verify whenever the drafter wants | time verify | time declined steps
 AUTO, ALWAYS, FORCE, IDLE = 0, 1, 2, 3
 MAX_WAIT = 128  # the longest wait (in the row's steps) between probes
+# The share of a row's steps that its failed probes may lose: a row that turns off waits at least
+# (expected loss of a step with it on) / PROBE_LOSS steps. A drafter far from paying (loss 0.5
+# plain steps) then waits 32-63 steps after its first probe instead of 2, 4, 8, ...
+PROBE_LOSS = 0.01
 DECAY = 0.9  # weight of the previous observations at each new one (acceptance: verify steps; share: on-steps)
 PRIOR_ACCEPTED, PRIOR_CHECKED = 1.0, 2.0
 # Prior of the share of on-steps that verify: all of them, worth a quarter of a step, so that a
@@ -102,8 +107,9 @@ def update(
     draft positions it checked (up to the first rejection) and accepted. A row that was on updates
     its estimates (acceptance only when it verified) and stays on while a step with it on is
     expected to emit at least one token per plain step of cost (module doc; the width of a
-    declined step is taken as K); else it waits: it may verify again from the first multiple of
-    `backoff` at least `backoff` steps on, and `backoff` doubles."""
+    declined step is taken as K); else it waits: with `wait` the larger of `backoff` and the
+    loss-scaled wait (PROBE_LOSS), it may verify again from the first multiple of `wait` at least
+    `wait` steps on, and `backoff` becomes 2 * wait."""
     looked = on & (width > 0)  # [B]
     acc = jnp.where(looked, DECAY * pol.accepted + accepted, pol.accepted)  # [B]
     chk = jnp.where(looked, DECAY * pol.checked + checked, pol.checked)  # [B]
@@ -116,9 +122,13 @@ def update(
     tokens = share * expected_tokens(alpha, w) + (1.0 - share)  # [B]
     cost = share * pol.costs[w] + (1.0 - share) * pol.costs[0]  # [B]
     pays = tokens >= cost  # [B]
-    later = (steps + 2 * pol.backoff) // pol.backoff * pol.backoff  # [B], in steps + backoff .. + 2 backoff - 1
+    # A step with the row on loses `cost - tokens` plain steps: wait long enough that probing
+    # loses at most PROBE_LOSS of the row's steps (a power of two, so that rows still align).
+    scaled = jnp.exp2(jnp.floor(jnp.log2(jnp.maximum((cost - tokens) / PROBE_LOSS, 1.0)))).astype(jnp.int32)
+    wait = jnp.clip(scaled, pol.backoff, MAX_WAIT)  # [B]
+    later = (steps + 2 * wait) // wait * wait  # [B], in steps + wait .. + 2 wait - 1
     resume = jnp.where(on, jnp.where(pays, 0, later), pol.resume)  # [B]
-    backoff = jnp.where(on, jnp.where(pays, 1, jnp.minimum(2 * pol.backoff, MAX_WAIT)), pol.backoff)
+    backoff = jnp.where(on, jnp.where(pays, 1, jnp.minimum(2 * wait, MAX_WAIT)), pol.backoff)
     return pol.replace(
         accepted=acc,
         checked=chk,
