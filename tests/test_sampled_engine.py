@@ -318,9 +318,10 @@ def test_unseeded_rows_draw_fresh_streams(models):
 
 
 def test_sampled_law_holds_across_rows_switching_speculation_off_and_on(models):
-    """`--spec-policy auto` with a verify that costs 1.6 plain steps: a row whose first draft is
-    rejected pays no more (waits one plain step) and probes again, one whose drafts are accepted
-    keeps verifying. Over the first four tokens rows mix verify and plain steps in every order
+    """`--spec-policy auto` with a verify that costs 1.45 plain steps: a row whose first draft is
+    rejected expects 1.44 tokens a verify (acceptance 1/3 with the prior), too few, but loses so
+    little that it waits one plain step (PROBE_LOSS) and probes again; one whose drafts are
+    accepted keeps verifying. Over the first four tokens rows mix verify and plain steps in every order
     the policy allows; the first two tokens' joint law and the third's and fourth's marginals are
     the target's."""
     from specjax.policy.costs import cost_table
@@ -334,7 +335,7 @@ def test_sampled_law_holds_across_rows_switching_speculation_off_and_on(models):
         seeded,
         drafter=DraftModelDrafter(2, draft, target.config),
         spec_mode=AUTO,
-        costs=cost_table(2, 1.6),
+        costs=cost_table(2, 1.45),
     )
     assert all(len(r.token_ids) == 4 for r in rows)
     switched = sum(1 for r in rows if r.checked[0] >= 2 and r.steps > r.checked[0])  # verify, plain, verify
