@@ -4,9 +4,9 @@ Each row keeps a running estimate of its drafts' acceptance and verifies only wh
 verify step is expected to emit, per unit of its measured cost, beat a plain step; otherwise it
 takes plain steps and probes again later, after a wait that doubles with every failed probe (up
 to `MAX_WAIT` steps) and is at least long enough that failed probes lose at most `PROBE_LOSS` of
-the row's steps at its current estimate. The decision for a step depends only on tokens already emitted and on the
-cost table, so the output law is untouched: every step, verifying or not, emits tokens with the
-target's law.
+the row's steps at its current estimate. The decision for a step depends only on tokens already
+emitted and on the cost table, so the output law is untouched: every step, verifying or not,
+emits tokens with the target's law.
 
 Probes fall on multiples of the row's wait counted in its own steps, so rows of one batch that
 wait as long probe on the same step: a verify pass is paid by the whole batch, and one row

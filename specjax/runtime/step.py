@@ -222,9 +222,7 @@ def new_pending(drafter: Drafter, b: int, features, final_hidden) -> Pending:
     feats = (
         None if features is None else jnp.zeros(features.shape[:2] + (w, features.shape[3]), features.dtype)
     )  # [n, B, P, D]
-    final = (
-        None if final_hidden is None else jnp.zeros((b, w, final_hidden.shape[2]), final_hidden.dtype)
-    )  # [B, P, D]
+    final = None if final_hidden is None else jnp.zeros((b, w, final_hidden.shape[2]), final_hidden.dtype)  # [B, P, D]
     return Pending(jnp.zeros((b,), jnp.int32), feats, final)
 
 
