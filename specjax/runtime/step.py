@@ -280,9 +280,9 @@ def draft(drafter: Drafter, dparams, st: LoopState, pl: StepPlan, all_greedy: bo
     `lazy_commit` drafter first catches up its deferred commits: in a pass P wide when some row
     holds more than a verify step's K + 1 tokens (or P, so that this step's would not fit), else
     K + 1 wide in the conditional that also proposes; when every live row is retired (`NEVER`),
-    its deferred commits are dropped instead. Each conditional writes the drafter's state
-    in one branch only and passes it through in the other (XLA copies a buffer into a conditional
-    whose two branches both write it). Returns (Proposal, drafter state, Pending or None)."""
+    its deferred commits are dropped instead. Each conditional writes the drafter's state in one
+    branch only and passes it through in the other (XLA copies a buffer into a conditional whose
+    two branches both write it). Returns (Proposal, drafter state, Pending or None)."""
     policed = st.policy is not None
     costs = st.policy.costs if policed else None  # [K + 1] or None
     ctx = StepContext(st.history, st.hist_len, st.sampling, pl.draft_seeds, all_greedy, pl.on, pl.force_verify, costs)
