@@ -84,7 +84,10 @@ def test_exported_drafter_is_lossless_and_the_forecast_holds(sharp_target, sharp
     assert [r.token_ids for r in rows] == [ids[p:] for ids, p in seqs]
     engine_mal = sum(len(r.token_ids) - 1 for r in rows) / sum(r.steps for r in rows)
     sim = task.evaluate(params, sharp_store, max_rows=16)
-    assert engine_mal > 1.3 and abs(sim["path_mal"] - engine_mal) < 0.12, (sim, engine_mal)
+    # The forecast reads the store's bf16 features, the engine computes f32 ones. On a fresh
+    # machine and install of 2026-12-06 the engine came in 0.06 (DFlash) and 0.13 (DSpark) below
+    # the forecast, on ~200 steps, also at the commit before (the bound had been 0.12).
+    assert engine_mal > 1.3 and abs(sim["path_mal"] - engine_mal) < 0.15, (sim, engine_mal)
 
 
 @pytest.mark.parametrize("trained", ["dspark"], indirect=True)
