@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from helpers import specjax_cli_cmd
+from helpers import specjax_cli_cmd, tiny
 from specjax.bench import peers, report
 from specjax.errors import SpecjaxError
 
@@ -65,6 +65,24 @@ def test_speedup_is_ratio_to_plain_at_same_batch_and_settings():
         [dict(row("code", 1, "none", 0, 8.0), peer="hf"), dict(row("code", 1, "prompt_lookup", 3, 12.0), peer="hf")]
     )
     assert hf[1]["speedup"] == pytest.approx(1.5)
+
+
+def test_warm_up_runs_every_shape_a_configuration_meets():
+    """An executable's first run is slow even after compiling, so warm-up runs each configuration
+    once per compiled shape: at K > 0 the cache size (prompt + K + new tokens) splits prompts of
+    one bucket that plain decoding runs at one shape."""
+    from specjax.bench.speculative import batches_of, warm_batches
+    from specjax.drafters.base import NoDrafter
+    from specjax.drafters.ngram import NgramDrafter
+    from specjax.models.loading import random_model
+    from specjax.runtime.engine import Engine
+
+    engine = Engine(random_model(tiny()))
+    ids = [[1] * 125, [1] * 82, [1] * 118, [1] * 126]  # one prompt bucket (128)
+    batches = batches_of(ids, 1)
+    assert warm_batches(engine, batches, 128, NoDrafter()) == [[ids[0]]]  # cache 256 for all
+    assert warm_batches(engine, batches, 128, NgramDrafter(3)) == [[ids[0]], [ids[1]]]  # 384, 256, 256, 384
+    assert warm_batches(engine, batches_of(ids, 2), 128, NgramDrafter(3)) == [[ids[0], ids[1]]]
 
 
 def test_recommendation_per_suite():

@@ -1,7 +1,8 @@
 """`specjax bench SUITE...`: every drafter and K against plain decoding, same process, interleaved.
 
-Methodology: every (drafter, K) configuration is compiled and run once over one batch before
-timing (the warm-up, reported apart: `warmup_seconds`, `compile_seconds`); then, for each
+Methodology: every (drafter, K) configuration is compiled and run once on each shape it will
+meet (`warm_batches`: an executable's first run is slow) before timing (the warm-up, reported
+apart: `warmup_seconds`, `compile_seconds`); then, for each
 repeat, plain decoding and every configuration run over the same prompt batches one after
 another, so machine drift hits all alike; figures are medians over repeats; speedup =
 configuration tokens/s ÷ plain tokens/s at the same suite, batch size and sampling settings
@@ -327,14 +328,33 @@ def _row(
     }
 
 
-def prompt_runs(suite_ids: dict[str, list], n_configs: int, batch_sizes, n_temperatures: int, repeats: int) -> int:
+def warm_batches(engine: Engine, batches, max_new: int, drafter) -> list:
+    """The first batch of each compiled shape (rows, prompt bucket, cache size) that `drafter`
+    runs among `batches`. An executable's first run is slower than its later ones, compile
+    excluded (the default model on this CPU: ~0.5 s each for the prefill and the decode loop,
+    docs/performance.md), and the cache size grows with K, so a speculative configuration meets
+    more shapes than plain decoding: warm-up runs each shape once, never a timed repeat."""
+    seen, out = set(), []
+    for batch in batches:
+        key = (len(batch), *engine.shapes([len(p) for p in batch], max_new, drafter.num_draft))
+        if key not in seen:
+            seen.add(key)
+            out.append(batch)
+    return out
+
+
+def prompt_runs(
+    engine: Engine, suite_ids: dict[str, list], configs, batch_sizes, n_temps: int, repeats: int, max_new: int
+) -> int:
     """Prompt runs (batch rows generated) of a whole `run_speculative_bench`, warm-ups included:
     the progress display's total."""
     total = 0
     for ids in suite_ids.values():
         for b in batch_sizes:
-            total += n_configs * b * (1 + repeats * len(batches_of(ids, b)))
-    return total * n_temperatures
+            batches = batches_of(ids, b)
+            for c in configs:
+                total += b * (len(warm_batches(engine, batches, max_new, c.drafter)) + repeats * len(batches))
+    return total * n_temps
 
 
 def _config_label(c: Config) -> str:
@@ -369,7 +389,8 @@ def run_speculative_bench(
     rows = []
     tables = {}  # (config key, batch size) -> "auto" step-cost table, measured once
     if progress is not None:
-        progress.begin("specjax", prompt_runs(suite_ids, len(configs), batch_sizes, len(temperatures), repeats))
+        total = prompt_runs(engine, suite_ids, configs, batch_sizes, len(temperatures), repeats, max_new_tokens)
+        progress.begin("specjax", total)
     advance = progress.advance if progress is not None else None
 
     for suite, ids in suite_ids.items():
@@ -416,19 +437,21 @@ def _stage(progress, group: tuple, what: str, c: Config, n: int) -> None:
 
 
 def _warm_up(engine, configs, batches, sampling, b: int, tables: dict, stage, advance):
-    """Compile every configuration on the first batch of B = `b` rows (measuring an "auto" step-cost
-    table into `tables` first, as `generate` gets it). Returns per config key: warm-up seconds,
-    compile seconds, compiled memory MB (None when nothing new compiled)."""
+    """Compile every configuration and run it once on each of its shapes (`warm_batches`) of B =
+    `b` rows (measuring an "auto" step-cost table into `tables` first, as `generate` gets it).
+    Returns per config key: warm-up seconds, compile seconds, compiled memory MB (None when
+    nothing new compiled)."""
     warm, comp_s, comp_mb = {}, {}, {}
     for c in configs:
-        stage("warm-up", c, b)
+        warm_on = warm_batches(engine, batches, sampling.max_new_tokens, c.drafter)
+        stage("warm-up", c, b * len(warm_on))
         before, c0, t0 = _compiled(engine), engine.compile_seconds, time.perf_counter()
         if c.spec_policy == "auto" and (c.key, b) not in tables:
             eos = engine.model.config.eos_token_ids
             tables[(c.key, b)] = measure_costs(
                 engine, batches[0], row_params(sampling, 0, b), eos, c.drafter, c.drafter.label(c.spec)
             )
-        run_config(engine, batches[:1], sampling, c.drafter, advance, tables.get((c.key, b)))
+        run_config(engine, warm_on, sampling, c.drafter, advance, tables.get((c.key, b)))
         warm[c.key], comp_s[c.key] = time.perf_counter() - t0, engine.compile_seconds - c0
         new = [v for k, v in _compiled(engine).items() if k not in before]
         comp_mb[c.key] = compiled_memory_mb(new) if new else None
