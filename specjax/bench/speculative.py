@@ -2,10 +2,10 @@
 
 Methodology: every (drafter, K) configuration is compiled and run once on each shape it will
 meet (`warm_batches`: an executable's first run is slow) before timing (the warm-up, reported
-apart: `warmup_seconds`, `compile_seconds`); then, for each
-repeat, plain decoding and every configuration run over the same prompt batches one after
-another, so machine drift hits all alike; figures are medians over repeats; speedup =
-configuration tokens/s ÷ plain tokens/s at the same suite, batch size and sampling settings
+apart: `warmup_seconds`, `compile_seconds`); then, in each repeat, plain decoding and every
+configuration run on each prompt batch one after another (interleaved batch by batch), so
+machine drift hits all alike; figures are medians over repeats; speedup = configuration
+tokens/s ÷ plain tokens/s at the same suite, batch size and sampling settings
 (`report.add_speedups`). A batch size larger than a suite cycles its prompts, so every timed
 batch really holds B rows.
 
@@ -148,6 +148,19 @@ class RunFigures:
     accepted: np.ndarray  # [K]
     off_chain: int = 0  # tree steps that accepted more than the top-1 chain would have
 
+    @staticmethod
+    def total(parts: list["RunFigures"]) -> "RunFigures":
+        """The figures of one pass made of `parts` (runs over disjoint batches)."""
+        return RunFigures(
+            sum(p.tokens for p in parts),
+            sum(p.seconds for p in parts),
+            sum(p.steps for p in parts),
+            sum(p.rows for p in parts),
+            sum(p.checked for p in parts),
+            sum(p.accepted for p in parts),
+            sum(p.off_chain for p in parts),
+        )
+
 
 def row_params(sampling: SamplingParams, first_row: int, n: int) -> list[SamplingParams]:
     """Sampling params of n batch rows with seeds of their own (`first_row` + their index), so a
@@ -156,16 +169,23 @@ def row_params(sampling: SamplingParams, first_row: int, n: int) -> list[Samplin
 
 
 def run_config(
-    engine: Engine, batches, sampling: SamplingParams, drafter, on_batch=None, costs: np.ndarray | None = None
+    engine: Engine,
+    batches,
+    sampling: SamplingParams,
+    drafter,
+    on_batch=None,
+    costs: np.ndarray | None = None,
+    first_row: int = 0,
 ) -> RunFigures:
-    """One pass over `batches`; `on_batch(rows)` (progress) is called after each batch. `costs`
-    (a `measure_costs` table) runs the per-row fallback (spec_mode AUTO); None verifies whatever
+    """One pass over `batches`, whose first row is row `first_row` of the suite (rows' seeds
+    follow their index); `on_batch(rows)` (progress) is called after each batch. `costs` (a
+    `measure_costs` table) runs the per-row fallback (spec_mode AUTO); None verifies whatever
     the drafter proposes."""
     tokens = steps = rows = off_chain = 0
     seconds = 0.0
     k = drafter.accept_width
     checked, accepted = np.zeros(k), np.zeros(k)
-    row = 0
+    row = first_row
     policy = {} if costs is None else {"spec_mode": AUTO, "costs": costs}
     for batch in batches:
         params = row_params(sampling, row, len(batch))
@@ -459,18 +479,25 @@ def _warm_up(engine, configs, batches, sampling, b: int, tables: dict, stage, ad
 
 
 def _timed_repeats(engine, configs, batches, sampling, b: int, tables: dict, stage, advance, repeats: int):
-    """The timed runs, interleaved (plain, then every configuration, per repeat) so machine drift
-    hits all alike. Returns per config key: its `RunFigures` list and peak memory (MB, source)."""
+    """The timed runs, interleaved batch by batch (plain, then every configuration, on each batch
+    of each repeat) so that machine drift, which moves this shared CPU's speed by several percent
+    within a minute, hits all alike. Returns per config key: its `RunFigures` per repeat (summed
+    over the batches) and peak memory (MB, source)."""
     mem = PeakMemory()
     runs = {c.key: [] for c in configs}
     peaks = {c.key: (0.0, "") for c in configs}
     for rep_i in range(repeats):
+        parts = {c.key: [] for c in configs}
+        for i, batch in enumerate(batches):
+            for c in configs:
+                stage(f"repeat {rep_i + 1}/{repeats}, batch {i + 1}/{len(batches)}", c, b)
+                mem.reset()
+                costs = tables.get((c.key, b))
+                parts[c.key].append(run_config(engine, [batch], sampling, c.drafter, advance, costs, first_row=i * b))
+                mb, src = mem.read()
+                peaks[c.key] = (max(peaks[c.key][0], mb), src)
         for c in configs:
-            stage(f"repeat {rep_i + 1}/{repeats}", c, len(batches) * b)
-            mem.reset()
-            runs[c.key].append(run_config(engine, batches, sampling, c.drafter, advance, tables.get((c.key, b))))
-            mb, src = mem.read()
-            peaks[c.key] = (max(peaks[c.key][0], mb), src)
+            runs[c.key].append(RunFigures.total(parts[c.key]))
     return runs, peaks
 
 
