@@ -351,9 +351,9 @@ def _row(
 def warm_batches(engine: Engine, batches, max_new: int, drafter) -> list:
     """The first batch of each compiled shape (rows, prompt bucket, cache size) that `drafter`
     runs among `batches`. An executable's first run is slower than its later ones, compile
-    excluded (the default model on this CPU: ~0.5 s each for the prefill and the decode loop,
-    docs/performance.md), and the cache size grows with K, so a speculative configuration meets
-    more shapes than plain decoding: warm-up runs each shape once, never a timed repeat."""
+    excluded (docs/performance.md, session 33), and the cache size grows with K, so a
+    speculative configuration meets more shapes than plain decoding: warm-up runs each shape
+    once, so that no timed repeat holds a first run."""
     seen, out = set(), []
     for batch in batches:
         key = (len(batch), *engine.shapes([len(p) for p in batch], max_new, drafter.num_draft))
@@ -480,9 +480,8 @@ def _warm_up(engine, configs, batches, sampling, b: int, tables: dict, stage, ad
 
 def _timed_repeats(engine, configs, batches, sampling, b: int, tables: dict, stage, advance, repeats: int):
     """The timed runs, interleaved batch by batch (plain, then every configuration, on each batch
-    of each repeat) so that machine drift, which moves this shared CPU's speed by several percent
-    within a minute, hits all alike. Returns per config key: its `RunFigures` per repeat (summed
-    over the batches) and peak memory (MB, source)."""
+    of each repeat) so that machine drift hits all alike. Returns per config key: its
+    `RunFigures` per repeat (summed over the batches) and peak memory (MB, source)."""
     mem = PeakMemory()
     runs = {c.key: [] for c in configs}
     peaks = {c.key: (0.0, "") for c in configs}
