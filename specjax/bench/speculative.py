@@ -178,27 +178,27 @@ def run_config(
     follow their index); `on_batch(rows)` (progress) is called after each batch. `costs` (a
     `measure_costs` table) runs the per-row fallback (spec_mode AUTO); None verifies whatever
     the drafter proposes."""
-    tokens = steps = rows = off_chain = 0
-    seconds = 0.0
     k = drafter.accept_width
-    checked, accepted = np.zeros(k), np.zeros(k)
-    row = first_row
     policy = {} if costs is None else {"spec_mode": AUTO, "costs": costs}
+    parts, row = [], first_row
     for batch in batches:
         params = row_params(sampling, row, len(batch))
         row += len(batch)
         out = engine.generate(batch, params, engine.model.config.eos_token_ids, drafter, **policy)
-        seconds += out[0].prefill_seconds + out[0].decode_seconds
-        for r in out:
-            tokens += len(r.token_ids)
-            steps += r.steps
-            rows += 1
-            checked += r.checked
-            accepted += r.accepted
-            off_chain += r.off_chain
+        parts.append(
+            RunFigures(
+                sum(len(r.token_ids) for r in out),
+                out[0].prefill_seconds + out[0].decode_seconds,
+                sum(r.steps for r in out),
+                len(out),
+                sum((np.asarray(r.checked, float) for r in out), np.zeros(k)),
+                sum((np.asarray(r.accepted, float) for r in out), np.zeros(k)),
+                sum(r.off_chain for r in out),
+            )
+        )
         if on_batch is not None:
             on_batch(len(batch))
-    return RunFigures(tokens, seconds, steps, rows, checked, accepted, off_chain)
+    return RunFigures.total(parts)
 
 
 def _compiled(engine: Engine) -> dict:
