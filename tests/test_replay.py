@@ -30,4 +30,4 @@ def test_replay_counts_the_engines_steps(shape):
         assert row.token_ids == plain[i]
         assert figures.steps[i] == row.steps
         assert figures.tokens[i] == len(plain[i]) - 1  # the prefill emits the first token
-    assert figures.verified.sum() > 0 and figures.mal > 1.0
+    assert figures.verify_steps.sum() > 0 and figures.mal > 1.0

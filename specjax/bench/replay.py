@@ -8,7 +8,7 @@ plus one token. Walking each reply this way gives the engine's own step counts a
 (tests/test_replay.py checks it against `Engine.generate`) for any proposal shape in seconds,
 without running the target: the way to ask what a drafter design could gain before timing it.
 
-The speedup estimate prices a step that checks L nodes at `1 + position_cost * L` plain steps (a
+The speedup estimate prices a step that verifies L nodes at `1 + position_cost * L` plain steps (a
 plain step: L = 0), the batch-1 verify costs measured in the engine being close to linear at
 these widths (docs/performance.md); drafting itself is not priced.
 
@@ -33,8 +33,8 @@ from specjax.drafters.base import Drafter, StepContext
 class ReplayFigures:
     steps: np.ndarray  # [R] loop steps per reply (the prefill's first token is not one)
     tokens: np.ndarray  # [R] tokens the steps emitted
-    checked: np.ndarray  # [R] nodes the steps checked (the width of each step's pass minus one)
-    verified: np.ndarray  # [R] steps that checked at least one node
+    nodes: np.ndarray  # [R] nodes the steps' passes verified (each pass's width minus one)
+    verify_steps: np.ndarray  # [R] steps that verified at least one node
 
     @property
     def mal(self) -> float:
@@ -42,11 +42,11 @@ class ReplayFigures:
 
     @property
     def verified_share(self) -> float:
-        return float(self.verified.sum() / self.steps.sum())
+        return float(self.verify_steps.sum() / self.steps.sum())
 
     def speedup(self, position_cost: float) -> float:
-        """Tokens per plain step of cost, a checked node costing `position_cost` plain steps."""
-        return float(self.tokens.sum() / (self.steps.sum() + position_cost * self.checked.sum()))
+        """Tokens per plain step of cost, a verified node costing `position_cost` plain steps."""
+        return float(self.tokens.sum() / (self.steps.sum() + position_cost * self.nodes.sum()))
 
 
 def replay(drafter: Drafter, rows: list[tuple[list[int], list[int]]]) -> ReplayFigures:
@@ -62,7 +62,7 @@ def replay(drafter: Drafter, rows: list[tuple[list[int], list[int]]]) -> ReplayF
     propose = jax.jit(lambda h, n: drafter.propose(None, None, StepContext(h, n, None, None, True))[0])
     lengths = np.asarray(drafter.verify_lengths)
     pos = np.minimum(1, rlen)  # [R] reply tokens emitted: the prefill emits the first
-    steps, tokens, checked, verified = (np.zeros(r, np.int64) for _ in range(4))
+    steps, tokens, nodes, verify_steps = (np.zeros(r, np.int64) for _ in range(4))
     every = np.arange(r)
     while np.any(pos < rlen):
         live = pos < rlen  # [R]
@@ -87,9 +87,9 @@ def replay(drafter: Drafter, rows: list[tuple[list[int], list[int]]]) -> ReplayF
         pos = pos + emit
         steps += live
         tokens += emit
-        checked += np.where(live, own, 0)
-        verified += live & (own > 0)
-    return ReplayFigures(steps, tokens, checked, verified)
+        nodes += np.where(live, own, 0)
+        verify_steps += live & (own > 0)
+    return ReplayFigures(steps, tokens, nodes, verify_steps)
 
 
 def greedy_replies(model, suite: str, limit: int | None, max_new: int, batch: int = 16) -> list:
@@ -126,7 +126,7 @@ def main(argv=None) -> None:
     ap.add_argument("--limit", type=int, default=None, help="only the first N prompts of each suite")
     ap.add_argument("--shapes", default="chain:3,chain:5,chain:8,4x5:5,4x5:8", help="chain:K or KxD:N, comma-separated")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--position-cost", type=float, default=0.1, help="plain steps per checked node")
+    ap.add_argument("--position-cost", type=float, default=0.1, help="plain steps per verified node")
     ap.add_argument("--active-n", type=int, default=2, help="the n-gram drafter's active_n")
     ap.add_argument("--long-n", type=int, default=5, help="its long_n (1: every active row wants all nodes)")
     ap.add_argument("--cache-dir", default="runs/replay", help="where the greedy replies are kept")
