@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.datasets import load_suite
 from specjax.drafters.base import Drafter, StepContext
+from specjax.errors import SpecjaxError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +97,6 @@ def replay(drafter: Drafter, rows: list[tuple[list[int], list[int]]]) -> ReplayF
 def greedy_replies(model, suite: str, limit: int | None, max_new: int, batch: int = 16) -> list:
     """(prompt ids, plain greedy reply ids) of a packaged suite's prompts, stopping at EOS."""
     from specjax.bench.speculative import encode_suites
-    from specjax.datasets import load_suite
     from specjax.runtime.engine import Engine
     from specjax.sampling import SamplingParams
 
@@ -113,11 +114,14 @@ def _shape(spec: str, **ngram) -> tuple[str, Drafter]:
     """`chain:K` or `KxD:N` (a tree of N nodes, k children per node, D levels) -> an n-gram drafter."""
     from specjax.drafters.ngram import NgramDrafter
 
-    form, _, n = spec.partition(":")
-    if form == "chain":
-        return spec, NgramDrafter(int(n), **ngram)
-    k, d = (int(x) for x in form.split("x"))
-    return spec, NgramDrafter(int(n), **ngram).with_tree(k, d)
+    form, _, n = spec.strip().partition(":")
+    try:
+        if form == "chain":
+            return spec, NgramDrafter(int(n), **ngram)
+        k, d = (int(x) for x in form.split("x"))
+        return spec, NgramDrafter(int(n), **ngram).with_tree(k, d)
+    except ValueError as e:
+        raise SpecjaxError(f"--shapes: {spec!r} is not chain:K or KxD:N ({e})") from None
 
 
 def main(argv=None) -> None:
@@ -134,7 +138,12 @@ def main(argv=None) -> None:
     from specjax.models.loading import load_model
 
     model = None
-    shapes = [_shape(s, active_n=args.active_n, long_n=args.long_n) for s in args.shapes.split(",")]
+    try:
+        shapes = [_shape(s, active_n=args.active_n, long_n=args.long_n) for s in args.shapes.split(",")]
+        for suite in args.suites.split(","):
+            load_suite(suite, 1)  # unknown names fail here, before anything runs
+    except SpecjaxError as e:
+        ap.error(str(e))
     for suite in args.suites.split(","):
         path = os.path.join(args.cache_dir, f"{suite}-{args.limit or 'all'}-{args.max_new_tokens}.json")
         if os.path.exists(path):
