@@ -95,19 +95,13 @@ def replay(drafter: Drafter, rows: list[tuple[list[int], list[int]]]) -> ReplayF
 
 
 def greedy_replies(model, suite: str, limit: int | None, max_new: int, batch: int = 16) -> list:
-    """(prompt ids, plain greedy reply ids) of a packaged suite's prompts, stopping at EOS."""
+    """(prompt ids, plain greedy reply ids) of a packaged suite's prompts, stopping at EOS: the
+    training recipes' regeneration (`train.data.regen_replies`) over the suite's prompts."""
     from specjax.bench.speculative import encode_suites
-    from specjax.runtime.engine import Engine
-    from specjax.sampling import SamplingParams
+    from train.data import regen_replies
 
-    engine, params = Engine(model), SamplingParams(temperature=0.0, max_new_tokens=max_new)
-    prompts = sorted(encode_suites(model, {suite: load_suite(suite, limit)})[suite], key=len)
-    rows = []
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i : i + batch]
-        out = engine.generate(chunk, [params] * len(chunk), model.config.eos_token_ids)
-        rows += [(p, o.token_ids) for p, o in zip(chunk, out, strict=True)]
-    return rows
+    prompts = encode_suites(model, {suite: load_suite(suite, limit)})[suite]
+    return [(ids[:n], ids[n:]) for ids, n in regen_replies(model, prompts, max_new, batch)]
 
 
 def _shape(spec: str, **ngram) -> tuple[str, Drafter]:
