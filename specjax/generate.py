@@ -7,17 +7,19 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from specjax.drafters.base import NoDrafter
 from specjax.errors import InvalidPromptError, InvalidSamplingError
 from specjax.models.loading import Model, get_model
-from specjax.policy.batch import draft_variants
-from specjax.policy.costs import cost_key, measure_costs, measure_gains
+from specjax.policy.batch import choose, draft_variants, plan_call
+from specjax.policy.costs import cost_key, measure_gains
 from specjax.policy.rows import AUTO
 from specjax.prompts import Prompt, check_fits, encode_prompt
 from specjax.runtime.cached import get_engine
 from specjax.sampling import SamplingParams
-from specjax.stats import AcceptanceStats
+from specjax.stats import AcceptanceStats, zero_extend
 
-_AUTO_K: dict[str, int] = {}  # `num_draft="auto"`'s choice per model, drafter, candidates, batch bucket
+_AUTO_K: dict[str, int] = {}  # `always`, `num_draft="auto"`: the K per `_key`
+_AUTO_PLAN: dict[str, tuple] = {}  # `auto`: (K, cost table or None: plain) per `_key`
 
 
 @dataclasses.dataclass
@@ -79,10 +81,13 @@ def generate(
     `max_new_tokens` overrides the sampling params' value. `mesh`: a `jax.sharding.Mesh` with a
     `data` axis to shard rows over (the number of prompts must be a multiple of its size).
     `spec_policy`: "auto" (each row verifies only while its measured acceptance makes a verify
-    step beat a plain one at this machine's step costs: specjax/policy/rows.py) or "always"
-    (verify whatever the drafter proposes). Both keep the target's output law. `spec_costs`:
-    the [K + 1] cost table `auto` decides with (a verify of L drafts in plain steps); None
-    measures it on these prompts, once per model, drafter and batch bucket (specjax/policy/costs.py).
+    step beat a plain one at this machine's step costs: specjax/policy/rows.py; a batch of
+    several rows, or `num_draft` "auto", first has the drafter's measured gain on these rows
+    decide K and whether to speculate at all: `policy.batch.plan_call`) or "always" (verify
+    whatever the drafter proposes). Both keep the target's output law. `spec_costs`: the
+    [K + 1] cost table `auto` decides with (a verify of L drafts in plain steps), skipping the
+    batch's gain check; None measures both on these prompts, once per model, drafter, batch
+    bucket and greedy/sampled in this process (step costs also cached on disk: policy/costs.py).
     `tree_topk` > 1 drafts token trees of `num_draft` nodes, `tree_topk` children per expanded
     node over `tree_depth` levels (default min(K, 5); EAGLE-2 dynamic trees, for drafters that
     draft trees), K in the cost table then being the depth.
@@ -96,18 +101,25 @@ def generate(
         check_fits(m, len(x), p.max_new_tokens)
     engine = get_engine(m, mesh)
     variants = draft_variants(drafter, num_draft, m, tree_topk, tree_depth)
-    d = _pick_variant(engine, m, ids, rows_sampling, variants, drafter, num_draft)
     eos = m.config.eos_token_ids
-    if spec_policy == "auto" and d.num_draft > 0:
-        costs = spec_costs
-        if costs is None:
-            costs = measure_costs(engine, ids, rows_sampling, eos, d, d.label(drafter))
-        elif len(costs) != d.accept_width + 1:
-            raise InvalidSamplingError(f"spec_costs needs K + 1 = {d.accept_width + 1} entries, got {len(costs)}")
+    d = variants[max(variants)]
+    if spec_policy == "always" or d.num_draft == 0:
+        d = _pick_variant(engine, m, ids, rows_sampling, variants, drafter, num_draft)
+        rows = engine.generate(ids, rows_sampling, eos_ids=eos, drafter=d)
+        return [_result(m, x, row, d, d.label(drafter), spec_policy) for x, row in zip(ids, rows)]
+    if spec_costs is not None:
+        d = _pick_variant(engine, m, ids, rows_sampling, variants, drafter, num_draft)
+        if len(spec_costs) != d.accept_width + 1:
+            raise InvalidSamplingError(f"spec_costs needs K + 1 = {d.accept_width + 1} entries, got {len(spec_costs)}")
+        costs = list(spec_costs)
+    else:
+        k, costs = _plan(engine, m, ids, rows_sampling, variants, drafter, num_draft)
+        d = variants[k]
+    if costs is None:  # the batch as a whole does not gain: plain steps, the drafter idle
+        rows = engine.generate(ids, rows_sampling, eos_ids=eos, drafter=NoDrafter())
+    else:
         costs = np.asarray(costs, np.float32)
         rows = engine.generate(ids, rows_sampling, eos_ids=eos, drafter=d, spec_mode=AUTO, costs=costs)
-    else:
-        rows = engine.generate(ids, rows_sampling, eos_ids=eos, drafter=d)
     return [_result(m, x, row, d, d.label(drafter), spec_policy) for x, row in zip(ids, rows)]
 
 
@@ -128,18 +140,34 @@ def _rows(prompts, sampling, max_new_tokens: int | None) -> tuple[list, list[Sam
     return list(prompts), per_row
 
 
-def _pick_variant(engine, m: Model, ids, rows_sampling, variants: dict, drafter: str | None, num_draft):
-    """The drafter at the K (or tree size) to run: the only one, or with `num_draft` "auto" the
-    fastest of the candidates, measured once per model, drafter and batch bucket on these rows."""
+def _key(m: Model, variants: dict, drafter: str | None, num_draft, rows_sampling) -> str:
+    """A decision's cache key: model, drafter, candidates, batch bucket, greedy or sampled."""
     d = variants[max(variants)]
+    greedy = all(p.greedy for p in rows_sampling)
+    return f"{cost_key(m, d, d.label(drafter), len(rows_sampling))}|{num_draft}|{'greedy' if greedy else 'sampled'}"
+
+
+def _pick_variant(engine, m: Model, ids, rows_sampling, variants: dict, drafter: str | None, num_draft):
+    """`always`: the drafter at the K (or tree size) to run: the only one, or with `num_draft`
+    "auto" the fastest of the candidates (no plain fallback), measured once per `_key` on these rows."""
     if len(variants) == 1:
-        return d
-    key = f"{cost_key(m, d, d.label(drafter), len(ids))}|{num_draft}"
+        return variants[max(variants)]
+    key = _key(m, variants, drafter, num_draft, rows_sampling)
     if key not in _AUTO_K:
         labels = {k: v.label(drafter) for k, v in variants.items()}
         gains = measure_gains(engine, ids, rows_sampling, m.config.eos_token_ids, variants, labels)
-        _AUTO_K[key] = max(gains, key=lambda k: (gains[k][1], -k))  # ties: the smaller K
+        _AUTO_K[key] = choose(gains)[0]
     return variants[_AUTO_K[key]]
+
+
+def _plan(engine, m: Model, ids, rows_sampling, variants: dict, drafter: str | None, num_draft):
+    """`auto`: (K, cost table; None: plain decoding) by `policy.batch.plan_call` on these rows,
+    decided once per `_key` in this process (as a batch job decides once per class)."""
+    key = _key(m, variants, drafter, num_draft, rows_sampling)
+    if key not in _AUTO_PLAN:
+        labels = {k: v.label(drafter) for k, v in variants.items()}
+        _AUTO_PLAN[key] = plan_call(engine, ids, rows_sampling, m.config.eos_token_ids, variants, labels)
+    return _AUTO_PLAN[key]
 
 
 def _result(m: Model, ids: list[int], row, d, label: str, spec_policy: str) -> GenerationResult:
@@ -147,7 +175,9 @@ def _result(m: Model, ids: list[int], row, d, label: str, spec_policy: str) -> G
     seconds = row.prefill_seconds + row.decode_seconds
     text = m.tokenizer.decode(row.token_ids, skip_special_tokens=True) if m.tokenizer else ""
     # the prefill emits the first token; MAL counts the tokens of draft-verify steps
-    acc = AcceptanceStats.from_counts(row.steps, len(row.token_ids) - 1, row.checked, row.accepted, row.off_chain)
+    w = d.accept_width  # a row that ran plainly under `auto` reports the drafter's K, nothing checked
+    checked, accepted = zero_extend(np.asarray(row.checked), w), zero_extend(np.asarray(row.accepted), w)
+    acc = AcceptanceStats.from_counts(row.steps, len(row.token_ids) - 1, checked, accepted, row.off_chain)
     stats = GenerationStats(
         steps=row.steps,
         mean_accepted_length=acc.mal,

@@ -93,6 +93,23 @@ def test_never_accepted_drafter_verifies_on_a_few_percent_of_steps():
         assert a.checked[0] == a.steps  # without the policy, every step verifies
 
 
+def test_a_batch_whose_drafter_does_not_pay_decodes_plainly(tmp_path, monkeypatch):
+    """`plan_call` (generate's and the bench's `auto`): at 2 rows a never-accepted drafter's
+    measured gain is under 1 + MARGIN, so the batch decodes plainly (no cost table); one row
+    with one K gets the per-row rule's cost table without a gain check."""
+    from specjax.policy.batch import plan_call
+
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(policy_costs, "_COSTS", {})
+    cfg = tiny(vocab_size=64, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
+    engine = Engine(random_model(cfg, seed=0))
+    params = [SamplingParams(max_new_tokens=32, ignore_eos=True)] * 2
+    variants, labels = {4: RandomDrafter(4, 64)}, {4: "random"}
+    assert plan_call(engine, [[1, 2, 3], [4, 5]], params, (), variants, labels) == (4, None)
+    k, table = plan_call(engine, [[1, 2, 3]], params[:1], (), variants, labels)
+    assert k == 4 and len(table) == 5 and table[-1] > 1.0
+
+
 def test_well_accepted_drafter_keeps_verifying():
     """The target as its own draft model: every draft accepted, so every step verifies."""
     from specjax.drafters.draft_model import DraftModelDrafter

@@ -88,16 +88,17 @@ def test_auto_tree_size_is_measured_once_and_lossless(real):
     prompts, the faster is kept for this batch bucket (not measured again), and the output is
     token-identical to plain decoding."""
     import specjax
-    from specjax.generate import _AUTO_K
+    from specjax.generate import _AUTO_PLAN
 
     model, engine, ids, params, plain = real
     kw = dict(model=model, sampling=params, drafter="eagle3@0", num_draft="auto:4,8", tree_topk=2)
     out = specjax.generate(ids, **kw)
     assert [r.token_ids for r in out] == [p.token_ids for p in plain]
-    ((key, k),) = [(key, k) for key, k in _AUTO_K.items() if key.endswith("|auto:4,8")]
+    ((key, (k, _)),) = [(key, plan) for key, plan in _AUTO_PLAN.items() if key.endswith("|auto:4,8|greedy")]
     assert k in (4, 8) and all(r.stats.num_draft == k and r.stats.tree == f"2x{min(k, 5)}" for r in out)
-    _AUTO_K[key] = 12 - k  # a recorded choice is reused, never remeasured
-    assert {r.stats.num_draft for r in specjax.generate(ids, **kw)} == {12 - k}
+    _AUTO_PLAN[key] = (12 - k, None)  # a recorded choice is reused, never remeasured
+    again = specjax.generate(ids, **kw)
+    assert {r.stats.num_draft for r in again} == {12 - k} and not any(r.stats.verified_steps for r in again)
 
 
 def test_tree_shapes_a_drafter_cannot_draft_are_refused(default_model):

@@ -10,10 +10,11 @@ tokens/s ÷ plain tokens/s at the same suite, batch size and sampling settings
 batch really holds B rows.
 
 Speculation policy (`--spec-policy`): every drafter configuration is measured once per listed
-policy. "always" verifies whatever the drafter proposes; "auto" runs the compiled loop's per-row
-fallback (specjax/policy/rows.py) with the step-cost table `specjax.generate` uses
-(`policy.costs.measure_costs`, cached per model, drafter and batch bucket), measured once per
-(configuration, batch size) at the start of its first warm-up, so never inside a timed repeat.
+policy. "always" verifies whatever the drafter proposes; "auto" decides as `specjax.generate`
+does (`policy.batch.plan_call`: at B > 1 the drafter's measured gain on the suite's first batch
+decides whether the batch speculates at all; then the compiled loop's per-row fallback,
+specjax/policy/rows.py, with the measured step-cost table), once per (suite, temperature, batch
+size, configuration) at the start of its first warm-up, so never inside a timed repeat.
 
 Time shares of draft / verify / accept come from `components.py` (each component timed as its
 own compiled function at the loop's shapes).
@@ -35,14 +36,15 @@ import numpy as np
 from specjax.bench import report as rep
 from specjax.bench.common import PeakMemory, compiled_memory_mb
 from specjax.bench.components import component_times
+from specjax.drafters.base import NoDrafter
 from specjax.drafters.cached import get_drafter
 from specjax.errors import DrafterError
-from specjax.policy.costs import measure_costs
+from specjax.policy.batch import plan_call
 from specjax.policy.rows import AUTO
 from specjax.prompts import encode_prompt
 from specjax.runtime.engine import Engine
 from specjax.sampling import SamplingParams
-from specjax.stats import AcceptanceStats
+from specjax.stats import AcceptanceStats, zero_extend
 
 CHAIN = "chain"
 
@@ -171,15 +173,20 @@ def run_config(
     sampling: SamplingParams,
     drafter,
     on_batch=None,
-    costs: np.ndarray | None = None,
+    plan: tuple | None = None,
     first_row: int = 0,
 ) -> RunFigures:
     """One pass over `batches`, whose first row is row `first_row` of the suite (rows' seeds
-    follow their index); `on_batch(rows)` (progress) is called after each batch. `costs` (a
-    `measure_costs` table) runs the per-row fallback (spec_mode AUTO); None verifies whatever
-    the drafter proposes."""
+    follow their index); `on_batch(rows)` (progress) is called after each batch. `plan` (K, cost
+    table) from `plan_call` runs "auto": the per-row fallback (spec_mode AUTO) with that table, or
+    plain decoding where the table is None (figures keep the drafter's K); None verifies
+    whatever the drafter proposes."""
     k = drafter.accept_width
-    policy = {} if costs is None else {"spec_mode": AUTO, "costs": costs}
+    policy = {}
+    if plan is not None and plan[1] is None:
+        drafter = NoDrafter()
+    elif plan is not None:
+        policy = {"spec_mode": AUTO, "costs": np.asarray(plan[1], np.float32)}
     parts, row = [], first_row
     for batch in batches:
         params = row_params(sampling, row, len(batch))
@@ -191,8 +198,8 @@ def run_config(
                 out[0].prefill_seconds + out[0].decode_seconds,
                 sum(r.steps for r in out),
                 len(out),
-                sum((np.asarray(r.checked, float) for r in out), np.zeros(k)),
-                sum((np.asarray(r.accepted, float) for r in out), np.zeros(k)),
+                sum((zero_extend(r.checked, k) for r in out), np.zeros(k)),
+                sum((zero_extend(r.accepted, k) for r in out), np.zeros(k)),
                 sum(r.off_chain for r in out),
             )
         )
@@ -317,7 +324,6 @@ def run_speculative_bench(
     console = console or Console(stderr=True, log_path=False)
     engine = Engine(model)
     rows = []
-    tables = {}  # (config key, batch size) -> "auto" step-cost table, measured once
     if progress is not None:
         total = prompt_runs(engine, suite_ids, configs, batch_sizes, len(temperatures), repeats, max_new_tokens)
         progress.begin("specjax", total)
@@ -328,6 +334,7 @@ def run_speculative_bench(
             sampling = SamplingParams(temperature=temp, max_new_tokens=max_new_tokens, seed=0)
             for b in batch_sizes:
                 batches = batches_of(ids, b)
+                tables = {}  # config key -> its "auto" plan (K, cost table or None), measured once
                 stage = functools.partial(_stage, progress, (suite, temp, b))
                 warm, comp_s, comp_mb = _warm_up(engine, configs, batches, sampling, b, tables, stage, advance)
                 runs, peaks = _timed_repeats(engine, configs, batches, sampling, b, tables, stage, advance, repeats)
@@ -368,7 +375,7 @@ def _stage(progress, group: tuple, what: str, c: Config, n: int) -> None:
 
 def _warm_up(engine, configs, batches, sampling, b: int, tables: dict, stage, advance):
     """Compile every configuration and run it once on each of its shapes (`warm_batches`) of B =
-    `b` rows (measuring an "auto" step-cost table into `tables` first, as `generate` gets it).
+    `b` rows (measuring an "auto" plan into `tables` first, as `generate` gets it).
     Returns per config key: warm-up seconds, compile seconds, compiled memory MB (None when
     nothing new compiled)."""
     warm, comp_s, comp_mb = {}, {}, {}
@@ -376,12 +383,11 @@ def _warm_up(engine, configs, batches, sampling, b: int, tables: dict, stage, ad
         warm_on = warm_batches(engine, batches, sampling.max_new_tokens, c.drafter)
         stage("warm-up", c, b * len(warm_on))
         before, c0, t0 = _compiled(engine), engine.compile_seconds, time.perf_counter()
-        if c.spec_policy == "auto" and (c.key, b) not in tables:
+        if c.spec_policy == "auto" and c.key not in tables:
             eos = engine.model.config.eos_token_ids
-            tables[(c.key, b)] = measure_costs(
-                engine, batches[0], row_params(sampling, 0, b), eos, c.drafter, c.drafter.label(c.spec)
-            )
-        run_config(engine, warm_on, sampling, c.drafter, advance, tables.get((c.key, b)))
+            variants, labels = {c.num_draft: c.drafter}, {c.num_draft: c.drafter.label(c.spec)}
+            tables[c.key] = plan_call(engine, batches[0], row_params(sampling, 0, b), eos, variants, labels)
+        run_config(engine, warm_on, sampling, c.drafter, advance, tables.get(c.key))
         warm[c.key], comp_s[c.key] = time.perf_counter() - t0, engine.compile_seconds - c0
         new = [v for k, v in _compiled(engine).items() if k not in before]
         comp_mb[c.key] = compiled_memory_mb(new) if new else None
@@ -401,8 +407,8 @@ def _timed_repeats(engine, configs, batches, sampling, b: int, tables: dict, sta
             for c in configs:
                 stage(f"repeat {rep_i + 1}/{repeats}, batch {i + 1}/{len(batches)}", c, b)
                 mem.reset()
-                costs = tables.get((c.key, b))
-                parts[c.key].append(run_config(engine, [batch], sampling, c.drafter, advance, costs, first_row=i * b))
+                plan = tables.get(c.key)
+                parts[c.key].append(run_config(engine, [batch], sampling, c.drafter, advance, plan, first_row=i * b))
                 mb, src = mem.read()
                 peaks[c.key] = (max(peaks[c.key][0], mb), src)
         for c in configs:

@@ -17,8 +17,10 @@ One rule at three time scales, because the entry points differ in what a decisio
   while its own decayed acceptance makes a verify step beat a plain one at the measured cost
   table, and probes again with backoff. Decisions read only emitted tokens and the table, so a
   batch job that records its tables resumes with the same decisions (batch.py).
-* `batch.py` — a batch job's settings: `auto` (the per-row rule, its cost table measured on
-  the first batch of each shape and recorded), `always`, or a row limit (plain above it).
+* `batch.py` — per batch: the class rule (`choose`: speculate only on a measured gain of at
+  least 1 + MARGIN, at the best K), applied by a batch job once per class and recorded, and by
+  `generate` and the bench to a batch of several rows (`plan_call`); a job's settings: `auto`,
+  `always`, or a row limit (plain above it).
 * `chunks.py` + `monitor.py` — the server: K per chunk from live acceptance per latency class,
   queue depth and step costs recalibrated by every chunk's wall time (a server may follow live
   timings; its rows come and go between chunks).

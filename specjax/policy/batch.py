@@ -116,6 +116,29 @@ def draft_variants(spec: str | None, num_draft, model, tree_topk: int = 1, tree_
     return out
 
 
+def choose(gains: dict) -> tuple[int, list[float] | None]:
+    """The class rule, from `costs.measure_gains`' {K: (cost table, gain)}: (the K of the best
+    gain (ties: the smaller K), its cost table, or None where that gain is under 1 + MARGIN and
+    the rows decode plainly, without the drafter)."""
+    k = max(gains, key=lambda k: (gains[k][1], -k))
+    return k, (list(gains[k][0]) if gains[k][1] >= 1.0 + MARGIN else None)
+
+
+def plan_call(engine, ids, params, eos_ids, variants: dict, labels: dict) -> tuple[int, list[float] | None]:
+    """`auto` for one batch outside a job (`generate`, the bench): (K, cost table; None: plain
+    decoding). A batch of several rows, or a choice of K, is judged whole by `choose` on these
+    rows (`costs.measure_gains`): the per-row rule alone prices a row's verify as if its
+    batch-mates gained as much, and a static batch runs until its slowest row is done, so on
+    this CPU rows deciding alone ran generate at 8 rows at 0.70-0.92x plain. One row with one K
+    decides alone: the per-row rule then prices exactly that row's verify (`costs.measure_costs`)."""
+    from specjax.policy.costs import measure_costs, measure_gains
+
+    if len(ids) == 1 and len(variants) == 1:
+        ((k, d),) = variants.items()
+        return k, measure_costs(engine, ids, params, eos_ids, d, labels[k]).tolist()
+    return choose(measure_gains(engine, ids, params, eos_ids, variants, labels))
+
+
 def class_key(size: int, greedy: bool) -> str:
     return f"{size}/{'greedy' if greedy else 'sampled'}"
 
@@ -193,14 +216,13 @@ class BatchPolicy:
             got = measure()
             if got is None:
                 return True, None, self.k
-            gains = {int(k): float(g) for k, (_, g) in got.items()}
-            k = max(gains, key=lambda k: (gains[k], -k))  # ties: the smaller K
+            k, table = choose(got)
             self.classes[cls] = {
                 "num_draft": k,
                 "costs": [float(x) for x in got[k][0]],
-                "gain": gains[k],
-                "gains": {str(k_): g for k_, g in sorted(gains.items())},
-                "speculates": gains[k] >= 1.0 + MARGIN,
+                "gain": float(got[k][1]),
+                "gains": {str(k_): float(g) for k_, (_, g) in sorted(got.items())},
+                "speculates": table is not None,
                 "batches": 0,
                 "steps": 0,
                 "verified_steps": 0,
