@@ -115,6 +115,13 @@ def test_recommendation_per_suite():
     assert mixed["plain_wins_from"] is None and mixed["text"].endswith(
         "plain decoding wins at B=1 only; measured at B=1, 2"
     )
+    # an `auto` configuration that never verified decoded plainly: 1.01x is not speculation paying
+    idle = report.recommend(
+        report.add_speedups(
+            [row("s", 8, "none", 0, 10.0), row("s", 8, "mtp", 3, 10.1, spec_policy="auto", verified_share=0.0)]
+        )
+    )[0]
+    assert idle["plain_wins_from"] == 8 and idle["by_batch"][0]["drafter"] == "none"
 
 
 def test_peer_comparison_ratio():

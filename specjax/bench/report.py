@@ -110,8 +110,8 @@ def add_speedups(rows: list[dict]) -> list[dict]:
 
 
 def recommend(rows: list[dict]) -> list[dict]:
-    """Per (suite, temperature): the fastest configuration at each batch size; the batch sizes at
-    which plain decoding is not beaten (every drafter's speedup <= 1); and the smallest batch
+    """Per (suite, temperature): the fastest configuration at each batch size that verified at
+    all; the batch sizes at which plain decoding is not beaten (every such speedup <= 1); and the smallest batch
     size from which plain decoding wins at every larger measured batch size."""
     groups: dict[tuple, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
@@ -120,7 +120,12 @@ def recommend(rows: list[dict]) -> list[dict]:
     for (suite, temp), by_b in groups.items():
         entries = []
         for b in sorted(by_b):
-            spec = [r for r in by_b[b] if r["drafter"] != PLAIN and r.get("speedup") is not None]
+            # a configuration that never verified (`auto` judged the batch not worth it) decoded plainly
+            spec = [
+                r
+                for r in by_b[b]
+                if r["drafter"] != PLAIN and r.get("speedup") is not None and r.get("verified_share") != 0
+            ]
             best = max(spec, key=lambda r: r["speedup"], default=None)
             if best is None or best["speedup"] <= 1.0:
                 entries.append(

@@ -362,6 +362,7 @@ def run_speculative_bench(
                     console.log(
                         f"{suite} T={temp:g} B={b} {rep.config_name(r)}: {r['tokens_per_second']:.1f} tok/s, "
                         f"x{r['speedup']:.2f}, MAL {r['mean_accepted_length']:.2f}"
+                        + (f", verified {r['verified_share']:.0%}" if r["verified_share"] is not None else "")
                     )
                 rows += group
     return rows
