@@ -268,7 +268,7 @@ def _row(
 def warm_batches(engine: Engine, batches, max_new: int, drafter) -> list:
     """The first batch of each compiled shape (rows, prompt bucket, cache size) that `drafter`
     runs among `batches`. An executable's first run is slower than its later ones, compile
-    excluded (docs/performance.md, session 33), and the cache size grows with K, so a
+    excluded (docs/spec-policy.md, session 33), and the cache size grows with K, so a
     speculative configuration meets more shapes than plain decoding: warm-up runs each shape
     once, so that no timed repeat holds a first run."""
     seen, out = set(), []

@@ -205,7 +205,7 @@ def defers_commits(drafter: Drafter, policy) -> bool:
 # Plain steps a row defers its drafter's commits over before catching up, in one pass over them
 # all (or sooner, before its next proposal). A pass's cost grows far slower than its width at
 # small batch: at batch 1 on the 2-core CPU the MTP modules take 3.0 ms over 4 positions, 5.7 ms
-# over 16 and 8.2 ms over 32 (docs/performance.md), so a row that does not verify pays its
+# over 16 and 8.2 ms over 32 (docs/spec-policy.md), so a row that does not verify pays its
 # drafter's upkeep in a third of the time.
 PENDING_STEPS = 32
 
