@@ -6,6 +6,7 @@ The sampled law over rows that switch speculation off and on is in test_sampled_
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import jax.numpy as jnp
@@ -245,6 +246,7 @@ def test_generate_auto_measures_costs_once_and_caches_them_on_disk(default_model
     engine, ids, plain = real
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
     monkeypatch.setattr(policy_costs, "_COSTS", {})
+    monkeypatch.setattr(importlib.import_module("specjax.generate"), "_AUTO_PLAN", {})  # a new process
     out = specjax.generate(
         PROMPTS[:1], model=default_model, sampling=SamplingParams(max_new_tokens=40), drafter="ngram", num_draft=4
     )
