@@ -10,16 +10,15 @@ import numpy as np
 from specjax.drafters.base import NoDrafter
 from specjax.errors import InvalidPromptError, InvalidSamplingError
 from specjax.models.loading import Model, get_model
-from specjax.policy.batch import choose, draft_variants, plan_call
-from specjax.policy.costs import cost_key, measure_gains
+from specjax.policy.batch import draft_variants, plan_call
+from specjax.policy.costs import cost_key
 from specjax.policy.rows import AUTO
 from specjax.prompts import Prompt, check_fits, encode_prompt
 from specjax.runtime.cached import get_engine
 from specjax.sampling import SamplingParams
 from specjax.stats import AcceptanceStats, zero_extend
 
-_AUTO_K: dict[str, int] = {}  # `always`, `num_draft="auto"`: the K per `_key`
-_AUTO_PLAN: dict[str, tuple] = {}  # `auto`: (K, cost table or None: plain) per `_key`
+_AUTO_PLAN: dict[str, tuple] = {}  # (K, cost table or None: plain) per `_key`, measured once
 
 
 @dataclasses.dataclass
@@ -148,16 +147,12 @@ def _key(m: Model, variants: dict, drafter: str | None, num_draft, rows_sampling
 
 
 def _pick_variant(engine, m: Model, ids, rows_sampling, variants: dict, drafter: str | None, num_draft):
-    """`always`: the drafter at the K (or tree size) to run: the only one, or with `num_draft`
-    "auto" the fastest of the candidates (no plain fallback), measured once per `_key` on these rows."""
+    """`always` (or a given cost table): the drafter at the K (or tree size) to run: the only one,
+    or with `num_draft` "auto" the fastest of the candidates, as `_plan` measures it (no plain
+    fallback)."""
     if len(variants) == 1:
         return variants[max(variants)]
-    key = _key(m, variants, drafter, num_draft, rows_sampling)
-    if key not in _AUTO_K:
-        labels = {k: v.label(drafter) for k, v in variants.items()}
-        gains = measure_gains(engine, ids, rows_sampling, m.config.eos_token_ids, variants, labels)
-        _AUTO_K[key] = choose(gains)[0]
-    return variants[_AUTO_K[key]]
+    return variants[_plan(engine, m, ids, rows_sampling, variants, drafter, num_draft)[0]]
 
 
 def _plan(engine, m: Model, ids, rows_sampling, variants: dict, drafter: str | None, num_draft):
@@ -176,7 +171,7 @@ def _result(m: Model, ids: list[int], row, d, label: str, spec_policy: str) -> G
     text = m.tokenizer.decode(row.token_ids, skip_special_tokens=True) if m.tokenizer else ""
     # the prefill emits the first token; MAL counts the tokens of draft-verify steps
     w = d.accept_width  # a row that ran plainly under `auto` reports the drafter's K, nothing checked
-    checked, accepted = zero_extend(np.asarray(row.checked), w), zero_extend(np.asarray(row.accepted), w)
+    checked, accepted = zero_extend(row.checked, w), zero_extend(row.accepted, w)
     acc = AcceptanceStats.from_counts(row.steps, len(row.token_ids) - 1, checked, accepted, row.off_chain)
     stats = GenerationStats(
         steps=row.steps,

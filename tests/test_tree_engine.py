@@ -99,6 +99,10 @@ def test_auto_tree_size_is_measured_once_and_lossless(real):
     _AUTO_PLAN[key] = (12 - k, None)  # a recorded choice is reused, never remeasured
     again = specjax.generate(ids, **kw)
     assert {r.stats.num_draft for r in again} == {12 - k} and not any(r.stats.verified_steps for r in again)
+    # `always` picks its K from the same measurement, and verifies every step
+    always = specjax.generate(ids, spec_policy="always", **kw)
+    assert [r.token_ids for r in always] == [p.token_ids for p in plain]
+    assert all(r.stats.num_draft == 12 - k and r.stats.verified_steps == r.stats.steps for r in always)
 
 
 def test_tree_shapes_a_drafter_cannot_draft_are_refused(default_model):
