@@ -175,6 +175,35 @@ def test_policy_rule_on_observations():
     assert not bool(jnp.any(policy_rows.plan(idle, live, jnp.zeros(b, jnp.int32))))
 
 
+def probe_steps(pol, n_steps: int) -> list[int]:
+    """The steps on which one row, whose probes all fail (one of 4 drafts checked, none
+    accepted), verifies over `n_steps` steps."""
+    live, probes = jnp.array([True]), []
+    for t in range(n_steps):
+        steps = jnp.full(1, t, jnp.int32)
+        on = policy_rows.plan(pol, live, steps)
+        probes += [t] if bool(on[0]) else []
+        pol = policy_rows.update(pol, on, steps, jnp.where(on, 4, 0), jnp.where(on, 1, 0), jnp.zeros(1, jnp.int32))
+    return probes
+
+
+def test_the_drafter_sets_the_wait_between_probes():
+    """The engine builds each row's rule with its drafter's `probe_wait`: the n-gram drafter's
+    (16, 0.05) makes a row whose probes keep failing look again every 32 steps at most (whether
+    its drafts are accepted switches with the text); the default waits up to 128."""
+    costs = policy_costs.cost_table(4, 2.0, 1.3)
+    ngram = make_drafter("ngram", 4)
+    assert ngram.probe_wait == (16, 0.05) and Drafter.probe_wait is None
+    short = probe_steps(policy_rows.new_policy(1, costs, policy_rows.AUTO, ngram.probe_wait), 400)
+    # the first failure's loss 0.51 / 0.05 gives a wait of 8 (resume at 16), then 16 for good
+    assert short[:4] == [0, 16, 48, 80] and max(np.diff(short)) == 32, short
+    default = probe_steps(policy_rows.new_policy(1, costs, policy_rows.AUTO), 400)
+    assert default == [0, 64, 192, 384], default
+    engine = Engine(random_model(tiny(), seed=0))
+    _, pol = engine._rows([[1, 2, 3]], 8, [SamplingParams(max_new_tokens=4)], (), ngram, None, policy_rows.AUTO, None)
+    assert int(pol.max_wait) == 16 and float(pol.probe_loss) == pytest.approx(0.05)
+
+
 @pytest.mark.parametrize("idle_cost", [1.0, 1.1])
 def test_declined_steps_turn_a_gated_row_off_when_they_cost(idle_cost):
     """A row whose verifies pay (all 4 drafts accepted) but whose drafter then declines on every

@@ -125,6 +125,9 @@ class Drafter:
     # `tree_depth` drafts. 1: chains.
     tree_topk: int = 1
     tree_depth: int = 0
+    # The per-row rule's (longest wait, probe loss) for rows that turned speculation off
+    # (specjax/policy/rows.py), or None for its defaults.
+    probe_wait: tuple[int, float] | None = None
 
     def __init__(self, num_draft: int):
         self.num_draft = int(num_draft)

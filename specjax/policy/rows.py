@@ -3,8 +3,10 @@
 Each row keeps a running estimate of its drafts' acceptance and verifies only while the tokens a
 verify step is expected to emit, per unit of its measured cost, beat a plain step; otherwise it
 takes plain steps and probes again later, after a wait that doubles with every failed probe (up
-to `MAX_WAIT` steps) and is at least long enough that failed probes lose at most `PROBE_LOSS` of
-the row's steps at its current estimate. The decision for a step depends only on tokens already
+to a longest wait) and is at least long enough that failed probes lose at most a set share (the
+probe loss) of the row's steps at its current estimate. The longest wait and the probe loss come
+from the drafter (`Drafter.probe_wait`; by default `MAX_WAIT` and `PROBE_LOSS`): a drafter whose
+acceptance switches with the text, like the n-gram drafter's on a repeated span, wants short waits. The decision for a step depends only on tokens already
 emitted and on the cost table, so the output law is untouched: every step, verifying or not,
 emits tokens with the target's law.
 
@@ -39,10 +41,10 @@ from flax import struct
 
 # `mode`: decide per row | verify whenever the drafter wants | time verify | time declined steps
 AUTO, ALWAYS, FORCE, IDLE = 0, 1, 2, 3
-MAX_WAIT = 128  # the longest wait (in the row's steps) between probes
-# The share of a row's steps that its failed probes may lose: a row that turns off waits at least
-# (expected loss of a step with it on) / PROBE_LOSS steps. A drafter far from paying (loss 0.5
-# plain steps) then waits 32-63 steps after its first probe instead of 2, 4, 8, ...
+MAX_WAIT = 128  # the default longest wait (in the row's steps) between probes
+# The default share of a row's steps that its failed probes may lose: a row that turns off waits
+# at least (expected loss of a step with it on) / PROBE_LOSS steps. A drafter far from paying (loss
+# 0.5 plain steps) then waits 32-63 steps after its first probe instead of 2, 4, 8, ...
 PROBE_LOSS = 0.01
 DECAY = 0.9  # weight of the previous observations at each new one (acceptance: verify steps; share: on-steps)
 PRIOR_ACCEPTED, PRIOR_CHECKED = 1.0, 2.0
@@ -56,6 +58,8 @@ NEVER = np.iinfo(np.int32).max  # `resume` of rows whose table says no verify ca
 class RowPolicy:
     costs: jax.Array  # [K + 1] f32, cost of verifying L drafts in plain steps (costs[0]: a declined step)
     mode: jax.Array  # [] int32: AUTO | ALWAYS | FORCE | IDLE
+    max_wait: jax.Array  # [] int32, the longest wait between probes
+    probe_loss: jax.Array  # [] f32, the share of the row's steps its failed probes may lose
     accepted: jax.Array  # [B] f32, decayed accepted drafts
     checked: jax.Array  # [B] f32, decayed checked draft positions
     tried: jax.Array  # [B] f32, decayed steps on which the row could verify
@@ -70,13 +74,17 @@ def can_pay(costs: np.ndarray) -> bool:
     return bool(np.any(widths[1:] + 1 >= np.asarray(costs)[1:]))
 
 
-def new_policy(b: int, costs: np.ndarray, mode: int) -> RowPolicy:
+def new_policy(b: int, costs: np.ndarray, mode: int, probe_wait: tuple[int, float] | None = None) -> RowPolicy:
     """The state of `b` fresh rows: each verifies its first step (a probe), unless no width can
-    pay under `costs` and `mode` is AUTO."""
+    pay under `costs` and `mode` is AUTO. `probe_wait`: (longest wait, probe loss), None for
+    (MAX_WAIT, PROBE_LOSS)."""
     start = 0 if mode != AUTO or can_pay(costs) else NEVER
+    max_wait, probe_loss = probe_wait or (MAX_WAIT, PROBE_LOSS)
     return RowPolicy(
         costs=jnp.asarray(costs, jnp.float32),
         mode=jnp.asarray(mode, jnp.int32),
+        max_wait=jnp.asarray(max_wait, jnp.int32),
+        probe_loss=jnp.asarray(probe_loss, jnp.float32),
         accepted=jnp.zeros((b,), jnp.float32),
         checked=jnp.zeros((b,), jnp.float32),
         tried=jnp.zeros((b,), jnp.float32),
@@ -108,7 +116,7 @@ def update(
     its estimates (acceptance only when it verified) and stays on while a step with it on is
     expected to emit at least one token per plain step of cost (module doc; the width of a
     declined step is taken as K); else it waits: with `wait` the larger of `backoff` and the
-    loss-scaled wait (PROBE_LOSS), it may verify again from the first multiple of `wait` at least
+    loss-scaled wait (`probe_loss`), it may verify again from the first multiple of `wait` at least
     `wait` steps on, and `backoff` becomes 2 * wait."""
     looked = on & (width > 0)  # [B]
     acc = jnp.where(looked, DECAY * pol.accepted + accepted, pol.accepted)  # [B]
@@ -123,12 +131,12 @@ def update(
     cost = share * pol.costs[w] + (1.0 - share) * pol.costs[0]  # [B]
     pays = tokens >= cost  # [B]
     # A step with the row on loses `cost - tokens` plain steps: wait long enough that probing
-    # loses at most PROBE_LOSS of the row's steps (a power of two, so that rows still align).
-    scaled = jnp.exp2(jnp.floor(jnp.log2(jnp.maximum((cost - tokens) / PROBE_LOSS, 1.0)))).astype(jnp.int32)
-    wait = jnp.clip(scaled, pol.backoff, MAX_WAIT)  # [B]
+    # loses at most `probe_loss` of the row's steps (a power of two, so that rows still align).
+    scaled = jnp.exp2(jnp.floor(jnp.log2(jnp.maximum((cost - tokens) / pol.probe_loss, 1.0)))).astype(jnp.int32)
+    wait = jnp.clip(scaled, pol.backoff, pol.max_wait)  # [B]
     later = (steps + 2 * wait) // wait * wait  # [B], in steps + wait .. + 2 wait - 1
     resume = jnp.where(on, jnp.where(pays, 0, later), pol.resume)  # [B]
-    backoff = jnp.where(on, jnp.where(pays, 1, jnp.minimum(2 * wait, MAX_WAIT)), pol.backoff)
+    backoff = jnp.where(on, jnp.where(pays, 1, jnp.minimum(2 * wait, pol.max_wait)), pol.backoff)
     return pol.replace(
         accepted=acc,
         checked=chk,

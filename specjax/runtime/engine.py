@@ -195,14 +195,14 @@ class Engine:
         policy = None
         if spec_mode is not None and drafter.num_draft > 0:
             table = np.ones(drafter.accept_width + 1, np.float32) if costs is None else costs
-            policy = new_policy(b, table, spec_mode)
+            policy = new_policy(b, table, spec_mode, drafter.probe_wait)
         if self.mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
 
             by_row, repl = NamedSharding(self.mesh, PartitionSpec("data")), NamedSharding(self.mesh, PartitionSpec())
             rows = jax.device_put(rows, by_row)
             if policy is not None:
-                policy = jax.device_put(policy, RowPolicy(repl, repl, *[by_row] * 6))
+                policy = jax.device_put(policy, RowPolicy(*[repl] * 4, *[by_row] * 6))
         return rows, policy
 
     def generate(
