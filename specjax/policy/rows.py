@@ -6,9 +6,9 @@ takes plain steps and probes again later, after a wait that doubles with every f
 to a longest wait) and is at least long enough that failed probes lose at most a set share (the
 probe loss) of the row's steps at its current estimate. The longest wait and the probe loss come
 from the drafter (`Drafter.probe_wait`; by default `MAX_WAIT` and `PROBE_LOSS`): a drafter whose
-acceptance switches with the text, like the n-gram drafter's on a repeated span, wants short waits. The decision for a step depends only on tokens already
-emitted and on the cost table, so the output law is untouched: every step, verifying or not,
-emits tokens with the target's law.
+acceptance switches with the text, like the n-gram drafter's on a repeated span, wants short
+waits. The decision for a step depends only on tokens already emitted and on the cost table, so
+the output law is untouched: every step, verifying or not, emits tokens with the target's law.
 
 Probes fall on multiples of the row's wait counted in its own steps, so rows of one batch that
 wait as long probe on the same step: a verify pass is paid by the whole batch, and one row
