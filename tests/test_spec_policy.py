@@ -189,19 +189,19 @@ def probe_steps(pol, n_steps: int) -> list[int]:
 
 def test_the_drafter_sets_the_wait_between_probes():
     """The engine builds each row's rule with its drafter's `probe_wait`: the n-gram drafter's
-    (16, 0.05) makes a row whose probes keep failing look again every 32 steps at most (whether
-    its drafts are accepted switches with the text); the default waits up to 128."""
+    (4, 0.2) makes a row whose probes keep failing look again every 8 steps at most (whether its
+    drafts are accepted switches with the text); the default waits up to 128."""
     costs = policy_costs.cost_table(4, 2.0, 1.3)
     engine = Engine(random_model(tiny(), seed=0))
     ngram = make_drafter("ngram", 4, engine.model)
-    assert ngram.probe_wait == (16, 0.05) and Drafter.probe_wait is None
+    assert ngram.probe_wait == (4, 0.2) and Drafter.probe_wait is None
     short = probe_steps(policy_rows.new_policy(1, costs, policy_rows.AUTO, ngram.probe_wait), 400)
-    # the first failure's loss 0.51 / 0.05 gives a wait of 8 (resume at 16), then 16 for good
-    assert short[:4] == [0, 16, 48, 80] and max(np.diff(short)) == 32, short
+    # the first failure's loss 0.51 / 0.2 gives a wait of 2 (resume at 4), then 4 for good
+    assert short[:4] == [0, 4, 12, 20] and max(np.diff(short)) == 8, short
     default = probe_steps(policy_rows.new_policy(1, costs, policy_rows.AUTO), 400)
     assert default == [0, 64, 192, 384], default
     _, pol = engine._rows([[1, 2, 3]], 8, [SamplingParams(max_new_tokens=4)], (), ngram, None, policy_rows.AUTO, None)
-    assert int(pol.max_wait) == 16 and float(pol.probe_loss) == pytest.approx(0.05)
+    assert int(pol.max_wait) == 4 and float(pol.probe_loss) == pytest.approx(0.2)
 
 
 @pytest.mark.parametrize("idle_cost", [1.0, 1.1])

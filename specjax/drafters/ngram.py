@@ -44,9 +44,9 @@ class NgramDrafter(Drafter):
     name = "ngram"
     proposal_optional = True  # stateless
     # Short waits between probes: whether its drafts are accepted switches with the text (a
-    # repeated span starts or ends), so a row turned off after a few wrong guesses should look
-    # again soon (docs/spec-policy.md, "Waits").
-    probe_wait = (16, 0.05)
+    # repeated span starts or ends), so a row turned off after a few wrong matches should look
+    # again soon, and a probe is cheap (it drafts only on a match; docs/spec-policy.md, "Waits").
+    probe_wait = (4, 0.2)
 
     SHORT = 3  # drafts verified for a match shorter than long_n (when K > SHORT)
 
