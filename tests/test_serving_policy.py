@@ -166,6 +166,20 @@ def test_policy_prices_a_tree_over_its_depth_and_shrinks_it_with_load():
     assert set(picks) == set(ks)
 
 
+def test_policy_prices_the_batch_verify_share():
+    """A drafter that proposes on a fifth of its row's steps, accepted at 0.9: one row verifies on
+    a fifth of the steps and K=2 pays (MAL 1.34 for 1.1 plain steps); at 32 rows some row proposes
+    on nearly every step, so every step pays the verify pass (1.5) for the same MAL, and the
+    policy decodes plainly (serve-bench at 32 clients ran K=2 at 0.85x plain pricing f = 0.2)."""
+    pol = _policy({1: {0: 1.0, 2: 1.5}}, margin=0.0, ks=(0, 2), confidence_z=0.0)
+    est = {"batch": Estimate(0.2, [0.9, 0.9], 1000)}
+    on = {"batch": True}
+    one = pol.choose(1, {"batch": 1}, 0, est, on, (), 0)
+    assert one.k == 2 and one.gain == pytest.approx(1.342 / 1.1)
+    many = pol.choose(1, {"batch": 32}, 0, est, on, (), 2)
+    assert many.k == 0 and "f=1.00" in pol.choose(1, {"batch": 32}, 0, est, on, (), 0).reason
+
+
 def test_policy_hysteresis_and_fallback_inputs():
     costs = {1: {0: 1.0, 1: 1.1, 2: 1.4, 3: 1.7, 4: 2.0}}
     pol = _policy(costs, margin=0.05)

@@ -6,8 +6,11 @@ gain over plain decoding is
 
     gain(B, K) = MAL(K) * c(B, 0) / c_eff(B, K),   c_eff = f * c(B, K) + (1 - f) * c(B, 0)
 
-where f is the fraction of steps that verify (the n-gram drafter skips verification when it has
-no match). When the accelerator is memory-bound (small B) c(B, K) is close to c(B, 0) and any
+where f is the fraction of the batch's steps that run the verify pass. A row's drafter may
+decline (the n-gram drafter has no match), but the batch verifies when any row proposes, so with
+a share f_c of row-steps verifying in class c (n_c rows), f = 1 - prod_c (1 - f_c)^n_c: at 32
+rows a drafter that proposes on a fifth of its rows' steps makes nearly every step a verify.
+When the accelerator is memory-bound (small B) c(B, K) is close to c(B, 0) and any
 MAL > 1 pays; as B grows the verify pass becomes compute-bound, c(B, K) / c(B, 0) grows towards
 K + 1 and the gain falls below 1. Low acceptance (high-entropy text, high temperature) shrinks
 MAL(K) towards 1 with the same effect. The step costs come from the slot engine's warm-up (one
@@ -53,6 +56,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from specjax.policy.costs import StepCosts
 from specjax.policy.monitor import Estimate
@@ -132,7 +137,8 @@ class Policy:
             return Decision(current_k, "no running rows")
         estimates = {c: e.lower(self.cfg.confidence_z) for c, e in estimates.items()}
         weight = {c: (self.cfg.interactive_weight if c == "interactive" and queued == 0 else 1.0) for c in present}
-        f = sum(rows[c] * estimates[c].verified for c in present) / sum(rows[c] for c in present)
+        # the share of steps that verify: a step verifies when any row's drafter proposes
+        f = 1.0 - float(np.prod([(1.0 - estimates[c].verified) ** rows[c] for c in present]))
 
         def value(k):
             toks = sum(

@@ -300,7 +300,10 @@ class Scheduler:
         if ran:
             self.metrics.step_seconds.set(seconds / ran, bucket=self.bucket, k=k)
         per_class = {c: AcceptanceStats() for c in LATENCY_CLASSES}
-        verify_steps = 0  # a verifying step checks draft 1 of every live row: the most any row saw
+        # Steps that ran the verify pass: a step verifies when any row's drafter proposes. The rows'
+        # counters give each row's share; taken as independent, the batch's share is
+        # 1 - prod (1 - share) (at least what the busiest row saw).
+        verify_steps, idle = 0, 1.0
         for slot, req in enumerate(self.slots):
             if req is None:
                 continue
@@ -321,6 +324,7 @@ class Scheduler:
             }
             req.run_steps += d.steps
             verify_steps = max(verify_steps, d.verified)
+            idle *= 1.0 - d.verified / d.steps if d.steps else 1.0
             req.sample.add(d)
             if d.steps:
                 req.k_steps[k] += d.steps
@@ -329,6 +333,7 @@ class Scheduler:
             if done[slot]:
                 self._finish(req, "stop" if stopped[slot] else "length")
                 self.slots[slot] = None
+        verify_steps = max(verify_steps, round(ran * (1.0 - idle)))
         if self.cfg.calibrate_costs:
             self.costs.observe(self.bucket, k, seconds, ran, verify_steps)
             for b in self.buckets:  # a (bucket, K) not run yet borrows the nearest bucket's calibration
