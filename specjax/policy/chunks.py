@@ -55,9 +55,8 @@ measured on whichever trees ran, so a smaller tree is priced with a larger one's
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from specjax.policy.costs import StepCosts
 from specjax.policy.monitor import Estimate
@@ -138,7 +137,7 @@ class Policy:
         estimates = {c: e.lower(self.cfg.confidence_z) for c, e in estimates.items()}
         weight = {c: (self.cfg.interactive_weight if c == "interactive" and queued == 0 else 1.0) for c in present}
         # the share of steps that verify: a step verifies when any row's drafter proposes
-        f = 1.0 - float(np.prod([(1.0 - estimates[c].verified) ** rows[c] for c in present]))
+        f = 1.0 - math.prod((1.0 - estimates[c].verified) ** rows[c] for c in present)
 
         def value(k):
             toks = sum(

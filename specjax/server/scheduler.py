@@ -302,8 +302,8 @@ class Scheduler:
         per_class = {c: AcceptanceStats() for c in LATENCY_CLASSES}
         # Steps that ran the verify pass: a step verifies when any row's drafter proposes. The rows'
         # counters give each row's share; taken as independent, the batch's share is
-        # 1 - prod (1 - share) (at least what the busiest row saw).
-        verify_steps, idle = 0, 1.0
+        # 1 - prod (1 - share), never below the busiest row's (rounded, it holds that row's count).
+        idle = 1.0
         for slot, req in enumerate(self.slots):
             if req is None:
                 continue
@@ -323,7 +323,6 @@ class Scheduler:
                 "accepted": accepted[slot].copy(),
             }
             req.run_steps += d.steps
-            verify_steps = max(verify_steps, d.verified)
             idle *= 1.0 - d.verified / d.steps if d.steps else 1.0
             req.sample.add(d)
             if d.steps:
@@ -333,7 +332,7 @@ class Scheduler:
             if done[slot]:
                 self._finish(req, "stop" if stopped[slot] else "length")
                 self.slots[slot] = None
-        verify_steps = max(verify_steps, round(ran * (1.0 - idle)))
+        verify_steps = round(ran * (1.0 - idle))
         if self.cfg.calibrate_costs:
             self.costs.observe(self.bucket, k, seconds, ran, verify_steps)
             for b in self.buckets:  # a (bucket, K) not run yet borrows the nearest bucket's calibration
