@@ -297,3 +297,42 @@ def test_generate_auto_measures_costs_once_and_caches_them_on_disk(default_model
     assert np.all(np.diff(table[1:]) >= 0) and table[1] > 1.0
     with pytest.raises(specjax.InvalidSamplingError, match="spec_policy"):
         specjax.generate(PROMPTS[:1], model=default_model, drafter="ngram", spec_policy="sometimes")
+
+
+def test_held_prefills_are_reused_and_give_the_same_rows(default_model, real, monkeypatch):
+    """The measuring runs' `Engine.holding_prefills`: one prefill per prompts and prefill shape,
+    however many decodes reuse it (each on its own copy of the donated cache), the same rows as
+    fresh prefills, nested uses share the outer one's outputs, and nothing is held after it."""
+    engine, ids, plain = real
+    runs = []
+    get = engine._get
+
+    class Counted:  # a compiled prefill that logs its runs
+        def __init__(self, exe):
+            self.exe, self.out_info = exe, exe.out_info
+
+        def __call__(self, *args):
+            runs.append("prefill")
+            return self.exe(*args)
+
+    def counting(name, *args):
+        exe = get(name, *args)
+        return Counted(exe) if name == "prefill" else exe
+
+    monkeypatch.setattr(engine, "_get", counting)
+    params = [SamplingParams(max_new_tokens=40)] * len(ids)
+    eos = default_model.config.eos_token_ids
+    drafter = make_drafter("eagle3", 3, default_model)
+    fresh = engine.generate(ids, params, eos_ids=eos, drafter=drafter, spec_mode=policy_rows.ALWAYS)
+    assert runs == ["prefill"]
+    with engine.holding_prefills():
+        got = [engine.generate(ids, params, eos_ids=eos) for _ in range(2)]
+        with engine.holding_prefills():
+            got += [engine.generate(ids, params, eos_ids=eos, drafter=drafter, spec_mode=policy_rows.ALWAYS)]
+        got += [engine.generate(ids, params, eos_ids=eos, drafter=drafter, spec_mode=policy_rows.FORCE)]
+    assert runs == ["prefill"] * 3  # one plain, one with the drafter's features
+    for rows in got:
+        assert [r.token_ids for r in rows] == [p.token_ids for p in plain]
+    assert [(r.steps, r.accepted) for r in got[2]] == [(r.steps, r.accepted) for r in fresh]
+    engine.generate(ids, params, eos_ids=eos)
+    assert runs == ["prefill"] * 4 and engine._held is None

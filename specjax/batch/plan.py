@@ -54,12 +54,12 @@ def log(msg: str) -> None:
 
 
 def measure_class(batch, size, model, mesh, drafters: dict, cfg) -> dict | None:
-    """What `--spec-policy auto` decides a batch class with, for each candidate K -> drafter:
-    the cost table (the decode loop timed on this batch's own rows and shapes,
-    specjax/policy/costs.py; cached per model, drafter and bucket) and the gain: tokens per decode
-    second of the drafter as it drafts over plain decoding's, on these rows (`PROBE_TOKENS`
-    tokens each; each run once untimed first). None when the batch cannot run whole (a bad row,
-    out of device memory): the batch then runs as `generate_batch` splits it, verifying every
+    """What `--spec-policy auto` decides a batch class with, for each candidate K -> drafter: the cost
+    table (the decode loop timed on this batch's own rows and shapes, specjax/policy/costs.py;
+    cached per model, drafter and bucket) and the gain: tokens per decode second of the drafter as
+    it drafts over plain decoding's, on these rows (`PROBE_TOKENS` tokens each, after a short
+    untimed run of each; one prefill per prefill shape). None when the batch cannot run whole (a bad
+    row, out of device memory): the batch then runs as `generate_batch` splits it, verifying every
     step, and the class's next batch measures."""
     from specjax.policy.costs import measure_gains
     from specjax.runtime.cached import get_engine

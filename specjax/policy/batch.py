@@ -5,9 +5,10 @@ Settings:
 * `auto` (default): once per batch class (padded rows; greedy or sampled), on the class's first
   batch with its own rows and shapes, measure the cost table (costs.measure_costs) and the
   class's gain: tokens per second of a short run of the drafter as it drafts (its own gates
-  included) over a plain run's (`PROBE_TOKENS` tokens a row, after an untimed run of each);
-  write both to `OUT.policy.json` before that batch writes a row. A class speculates only on a
-  gain of at least 1 + `MARGIN`; its rows then follow the per-row rule of rows.py; otherwise they
+  included) over a plain run's (`PROBE_TOKENS` tokens a row, after a short untimed run of each,
+  all from one prefill per prefill shape); write both to `OUT.policy.json` before that batch
+  writes a row. A class speculates only on a gain of at least 1 + `MARGIN`; its rows then follow
+  the per-row rule of rows.py; otherwise they
   decode plainly, without the drafter. A verify pass is paid by the whole batch, and the per-row
   rule prices a row's verify as if its batch-mates gained as much, so where the batch as a whole
   does not gain, a few rows that do cannot carry it: on this CPU rows deciding alone made

@@ -29,7 +29,10 @@ def cost_table(k: int, verify_cost: float, idle_cost: float = 1.0) -> np.ndarray
 
 
 _COSTS: dict[str, tuple[float, float]] = {}  # cost_key -> (verify of K drafts, declined step), in plain steps
-PROBE_TOKENS = 24
+PROBE_TOKENS = 24  # tokens a row in each timed measuring run
+# An executable's first run is slower than its later ones, compile excluded (buffers touched for
+# the first time): each is run this many tokens a row, untimed, before it is timed.
+WARM_TOKENS = 2
 
 
 def _costs_file() -> str:
@@ -56,12 +59,12 @@ def cost_key(model, drafter, label: str, batch: int) -> str:
 
 
 def measure_costs(engine, prompt_ids, params, eos_ids, drafter, label: str) -> np.ndarray:
-    """[K + 1] cost table for this batch (K: the drafter's `accept_width`): the decode loop over
-    the batch's own prompts and shapes (`PROBE_TOKENS` tokens a row) timed with every live row
-    verifying all K drafts (`FORCE`), with the drafter proposing and no row verifying (`IDLE`,
-    what a gated drafter's declined step costs), and plain, after one untimed run of each (the
-    first loop runs after compiling are slow). The two ratios to plain are cached in memory and in
-    `$SPECJAX_CACHE/step-costs.json`."""
+    """[K + 1] cost table for this batch (K: the drafter's `accept_width`): the decode loop over the
+    batch's own prompts and shapes (`PROBE_TOKENS` tokens a row) timed with every live row verifying
+    all K drafts (`FORCE`), with the drafter proposing and no row verifying (`IDLE`, what a gated
+    drafter's declined step costs), and plain, after a short untimed run of each (`WARM_TOKENS`),
+    all from one prefill per prefill shape (`Engine.holding_prefills`). The two ratios to plain are
+    cached in memory and in `$SPECJAX_CACHE/step-costs.json`."""
     k = drafter.accept_width
     key = cost_key(engine.model, drafter, label, len(prompt_ids))
     if key not in _COSTS:
@@ -73,12 +76,17 @@ def measure_costs(engine, prompt_ids, params, eos_ids, drafter, label: str) -> n
             pass
     if key not in _COSTS:
 
-        def per_step(mode, d):
-            rows = engine.generate(prompt_ids, params, eos_ids=(), drafter=d, max_new_cap=PROBE_TOKENS, spec_mode=mode)
+        def per_step(mode, d, cap):
+            rows = engine.generate(prompt_ids, params, eos_ids=(), drafter=d, max_new_cap=cap, spec_mode=mode)
             return rows[0].decode_seconds / max(max(r.steps for r in rows), 1)
 
-        for _ in range(2):  # the first of each is a warm-up
-            verify_s, idle_s, plain_s = per_step(FORCE, drafter), per_step(IDLE, drafter), per_step(ALWAYS, None)
+        with engine.holding_prefills():
+            for cap in (WARM_TOKENS, PROBE_TOKENS):  # the first pass warms each executable
+                verify_s, idle_s, plain_s = (
+                    per_step(FORCE, drafter, cap),
+                    per_step(IDLE, drafter, cap),
+                    per_step(ALWAYS, None, cap),
+                )
         _COSTS[key] = (verify_s / plain_s, idle_s / plain_s)
         try:
             os.makedirs(os.path.dirname(_costs_file()), exist_ok=True)
@@ -95,22 +103,23 @@ def measure_gains(engine, prompt_ids, params, eos_ids, drafters: dict, labels: d
     """K -> (cost table, gain) for each candidate K -> drafter on these prompts: the cost table
     as `measure_costs` gives it and the gain, tokens per decode second of the drafter as it
     drafts (its own gates included) over plain decoding's (`PROBE_TOKENS` tokens a row, each run
-    once untimed first). `labels`: K -> the drafter's label (the cost cache's key); `rows`: count
+    `WARM_TOKENS` untimed first). `labels`: K -> the drafter's label (the cost cache's key); `rows`: count
     the tokens of the first this many rows only (the rest pad the batch)."""
     from specjax.drafters.base import NoDrafter
 
     def rate(d):  # ALWAYS: the compiled loop measure_costs timed
         out = [
-            engine.generate(prompt_ids, params, eos_ids=eos_ids, drafter=d, max_new_cap=PROBE_TOKENS, spec_mode=ALWAYS)
-            for _ in range(2)
+            engine.generate(prompt_ids, params, eos_ids=eos_ids, drafter=d, max_new_cap=cap, spec_mode=ALWAYS)
+            for cap in (WARM_TOKENS, PROBE_TOKENS)
         ][-1]
         return sum(len(r.token_ids) - 1 for r in out[:rows]) / max(out[0].decode_seconds, 1e-9)
 
-    plain = rate(NoDrafter())
-    return {
-        k: (measure_costs(engine, prompt_ids, params, eos_ids, d, labels[k]).tolist(), rate(d) / plain)
-        for k, d in drafters.items()
-    }
+    with engine.holding_prefills():  # one prefill per prefill shape, not one per run
+        plain = rate(NoDrafter())
+        return {
+            k: (measure_costs(engine, prompt_ids, params, eos_ids, d, labels[k]).tolist(), rate(d) / plain)
+            for k, d in drafters.items()
+        }
 
 
 class StepCosts:

@@ -16,6 +16,7 @@ The caches are donated, so XLA updates them in place.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from functools import partial
@@ -64,6 +65,7 @@ class RowOutput:
 # chunks of C positions (T halved until the scores fit), each attending to the
 # cache the previous chunks wrote, so the scores stay under this many bytes.
 PREFILL_SCORE_BYTES = 256 << 20
+HOLD_BYTES = 2 << 30  # the largest cache `Engine.holding_prefills` keeps a copy of
 
 
 def prefill_chunk(b: int, t: int, s: int, num_heads: int) -> int:
@@ -155,6 +157,34 @@ class Engine:
         self.implementation = implementation
         self.mesh = mesh
         self.compiled = CompileCache()
+        self._held: dict | None = None  # prefill outputs kept by `holding_prefills`
+
+    @contextlib.contextmanager
+    def holding_prefills(self):
+        """Within it, `generate` keeps each batch's prefill outputs and reuses them when the same
+        prompts are prefilled again at the same shapes, instead of running the prefill again (the
+        speculation policy's measuring runs decode one batch several times: at 32 rows a prefill
+        costs as much as a dozen decode steps). Each decode gets its own copy of the cache, which it
+        donates, so a held cache takes its memory twice: caches over `HOLD_BYTES` are not held.
+        Re-entrant: an inner use shares the outer one's outputs."""
+        if self._held is not None:
+            yield
+            return
+        self._held = {}
+        try:
+            yield
+        finally:
+            self._held = None
+
+    def _prefilled(self, pre, weights, rows: RowInputs, key) -> tuple:
+        """The prefill's outputs for `rows` (held ones when `holding_prefills` kept them under `key`)."""
+        cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pre.out_info[0]))
+        if self._held is None or cache_bytes > HOLD_BYTES:
+            return pre(weights, rows.prompt, rows.prompt_len)
+        if key not in self._held:
+            self._held[key] = pre(weights, rows.prompt, rows.prompt_len)
+        cache, *rest = self._held[key]
+        return (jax.tree.map(jnp.copy, cache), *rest)
 
     def _get(self, name, fn, static: dict, donate: tuple, *args):
         return self.compiled.get(name, partial(fn, self.model.graphdef), static, donate, *args)
@@ -241,7 +271,8 @@ class Engine:
         abstract = (c_shape, l_shape, h_shape, f_shape)  # decode's inputs 3-6: the prefill's outputs
         dec = self._get("decode", _decode, dec_static, (2,), weights, dparams, *abstract, rows, policy)
         t0 = time.perf_counter()
-        cache, last_logits, features, final_hidden = pre(weights, rows.prompt, rows.prompt_len)
+        held_key = (tuple(map(tuple, prompt_ids)), t, tuple(sorted(pre_static.items())))
+        cache, last_logits, features, final_hidden = self._prefilled(pre, weights, rows, held_key)
         jax.block_until_ready(last_logits)
         t1 = time.perf_counter()
         st = dec(weights, dparams, cache, last_logits, features, final_hidden, rows, policy)
