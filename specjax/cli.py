@@ -233,6 +233,7 @@ def cmd_batch(a) -> int:
     from specjax.batch.config import BatchConfig
     from specjax.batch.files import check_merge_paths, check_paths
     from specjax.batch.job import run_batch
+    from specjax.runtime import compile_cache
 
     if a.merge:
         if a.num_processes is None:
@@ -267,6 +268,7 @@ def cmd_batch(a) -> int:
         process_id=a.process_id or 0,
     )
     check_paths(cfg)  # before the rendezvous and the model load
+    compile_cache.persist(a.compile_cache)
     if a.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS"):
         cfg.process_id, cfg.num_processes = parts.init_distributed(
             a.coordinator, a.num_processes, a.process_id, stay_connected=a.stay_connected
@@ -308,13 +310,14 @@ def cmd_serve(a) -> int:
     import logging
 
     from specjax.files import check_file_writable
+    from specjax.runtime import compile_cache
     from specjax.server import app, scheduler
 
     cfg = _serving_config(a)
     if a.save_step_costs:  # before the model loads and warms up
         check_file_writable(a.save_step_costs, "--save-step-costs")
     logging.basicConfig(level=logging.INFO, format="specjax serve: %(message)s")
-    scheduler.enable_compile_cache(None if a.compile_cache == "none" else a.compile_cache or _default_xla_cache())
+    compile_cache.persist(a.compile_cache)
     import specjax
 
     model = specjax.load_model(a.model, dtype=a.dtype)
@@ -336,16 +339,10 @@ def cmd_serve(a) -> int:
     return 0
 
 
-def _default_xla_cache() -> str:
-    from specjax.models.loading import cache_root
-
-    return os.path.join(cache_root(), "xla")
-
-
 def cmd_serve_bench(a) -> int:
     """`specjax serve-bench`: offered-load sweep of the serving rules (specjax/bench/loadbench.py)."""
     from specjax.bench import loadbench
-    from specjax.server import scheduler
+    from specjax.runtime import compile_cache
 
     cfg = _serving_config(a)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -355,7 +352,7 @@ def cmd_serve_bench(a) -> int:
     loads = ints(a.loads, "--loads")
     if min(loads) < 1 or a.requests < 1 or a.max_tokens < 1 or a.repeats < 1:
         raise SpecjaxError("--loads, --requests, --max-tokens and --repeats take integers >= 1")
-    scheduler.enable_compile_cache(None if a.compile_cache == "none" else a.compile_cache or _default_xla_cache())
+    compile_cache.persist(a.compile_cache)
     import specjax
 
     model = specjax.load_model(a.model, dtype=a.dtype)

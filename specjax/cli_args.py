@@ -129,10 +129,14 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         help="latency class of requests with this API key (repeatable)",
     )
     p.add_argument("--step-costs", default=None, help="JSON of seconds per step by bucket and K (skips timing)")
+    add_compile_cache_arg(p)
+    add_tree_args(p, serving=True)
+
+
+def add_compile_cache_arg(p) -> None:
     p.add_argument(
         "--compile-cache", default=None, help="XLA compilation cache dir (default: $SPECJAX_CACHE/xla; 'none' disables)"
     )
-    add_tree_args(p, serving=True)
 
 
 def ints(text: str, flag: str) -> list[int]:
@@ -313,7 +317,7 @@ def add_batch_parser(sub, fn) -> None:
 
 
 def add_batch_run_args(j) -> None:
-    """`specjax batch`: devices, processes and their merge, the progress bar."""
+    """`specjax batch`: devices, processes and their merge, the progress bar, the compile cache."""
     j.add_argument(
         "--mesh",
         default=None,
@@ -347,6 +351,7 @@ def add_batch_run_args(j) -> None:
         "checks, which stop every process when one dies) after the rendezvous",
     )
     j.add_argument("--no-progress", action="store_true", help="no progress bar (the summary is still printed)")
+    add_compile_cache_arg(j)
 
 
 def add_serve_parser(sub, fn) -> None:

@@ -64,9 +64,10 @@ def wait_for_lines(path, proc, n=1, timeout=180.0) -> None:
 
 def test_resume_after_sigkill(batch_model_dir, job_input, reference, cli_env, tmp_path):
     """SIGKILL a real `specjax batch` once results appear, tear its last line, rerun: every id
-    once, every row (sampled ones too) equal to the uninterrupted run."""
+    once, every row (sampled ones too) equal to the uninterrupted run. The rerun reads the
+    executables the killed run left in the XLA disk cache (`--compile-cache`)."""
     out = tmp_path / "res.jsonl"
-    args = cli_args(batch_model_dir, job_input, out)
+    args = cli_args(batch_model_dir, job_input, out, "--compile-cache", str(tmp_path / "xla"))
     proc = subprocess.Popen(args, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for_lines(out, proc)
     proc.send_signal(signal.SIGKILL)
@@ -74,6 +75,7 @@ def test_resume_after_sigkill(batch_model_dir, job_input, reference, cli_env, tm
     assert proc.returncode == -signal.SIGKILL, f"the job ended before it could be killed: {err[-2000:]}"
     killed_at = len(read_rows(out))
     assert 0 < killed_at < 16
+    assert os.listdir(tmp_path / "xla"), "the killed run cached no executable"
     with open(out, "ab") as fh:  # what a crash in the middle of a write would leave
         fh.write(b'{"id": "q0", "line": 1, "text": "tor')
 

@@ -300,9 +300,10 @@ def test_generate_auto_measures_costs_once_and_caches_them_on_disk(default_model
 
 
 def test_held_prefills_are_reused_and_give_the_same_rows(default_model, real, monkeypatch):
-    """The measuring runs' `Engine.holding_prefills`: one prefill per prompts and prefill shape,
-    however many decodes reuse it (each on its own copy of the donated cache), the same rows as
-    fresh prefills, nested uses share the outer one's outputs, and nothing is held after it."""
+    """The measuring runs' `Engine.holding_prefills`: one prefill per prompts and cache size,
+    however many decodes reuse it (each on its own copy of the donated cache; plain decoding also
+    from a prefill that returned a drafter's features), the same rows as fresh prefills, nested
+    uses share the outer one's outputs, and nothing is held after it."""
     engine, ids, plain = real
     runs = []
     get = engine._get
@@ -326,13 +327,16 @@ def test_held_prefills_are_reused_and_give_the_same_rows(default_model, real, mo
     fresh = engine.generate(ids, params, eos_ids=eos, drafter=drafter, spec_mode=policy_rows.ALWAYS)
     assert runs == ["prefill"]
     with engine.holding_prefills():
-        got = [engine.generate(ids, params, eos_ids=eos) for _ in range(2)]
+        got = [engine.generate(ids, params, eos_ids=eos, drafter=drafter, spec_mode=policy_rows.ALWAYS)]
         with engine.holding_prefills():
-            got += [engine.generate(ids, params, eos_ids=eos, drafter=drafter, spec_mode=policy_rows.ALWAYS)]
+            got += [engine.generate(ids, params, eos_ids=eos) for _ in range(2)]
         got += [engine.generate(ids, params, eos_ids=eos, drafter=drafter, spec_mode=policy_rows.FORCE)]
-    assert runs == ["prefill"] * 3  # one plain, one with the drafter's features
+    assert runs == ["prefill"] * 2  # plain decoding reads the cache of the prefill with the drafter's features
     for rows in got:
         assert [r.token_ids for r in rows] == [p.token_ids for p in plain]
-    assert [(r.steps, r.accepted) for r in got[2]] == [(r.steps, r.accepted) for r in fresh]
+    assert [(r.steps, r.accepted) for r in got[0]] == [(r.steps, r.accepted) for r in fresh]
+    with engine.holding_prefills():
+        engine.generate(ids, params, eos_ids=eos)
+        engine.generate(ids, params, eos_ids=eos, drafter=drafter, spec_mode=policy_rows.ALWAYS)
     engine.generate(ids, params, eos_ids=eos)
-    assert runs == ["prefill"] * 4 and engine._held is None
+    assert runs == ["prefill"] * 5 and engine._held is None  # plain first: the drafter needs its own

@@ -114,12 +114,15 @@ def measure_gains(engine, prompt_ids, params, eos_ids, drafters: dict, labels: d
         ][-1]
         return sum(len(r.token_ids) - 1 for r in out[:rows]) / max(out[0].decode_seconds, 1e-9)
 
-    with engine.holding_prefills():  # one prefill per prefill shape, not one per run
-        plain = rate(NoDrafter())
-        return {
-            k: (measure_costs(engine, prompt_ids, params, eos_ids, d, labels[k]).tolist(), rate(d) / plain)
+    # One prefill per cache size, not one per run: the drafters' first (it also returns their
+    # features), then plain decoding's from it.
+    with engine.holding_prefills():
+        got = {
+            k: (measure_costs(engine, prompt_ids, params, eos_ids, d, labels[k]).tolist(), rate(d))
             for k, d in drafters.items()
         }
+        plain = rate(NoDrafter())
+    return {k: (table, r / plain) for k, (table, r) in got.items()}
 
 
 class StepCosts:

@@ -1,8 +1,10 @@
 """Compiled executables, one per (function, static settings, argument shapes): `Engine` and
-`SlotEngine` share this cache type, so compile time and post-warm-up compiles are counted once."""
+`SlotEngine` share this cache type, so compile time and post-warm-up compiles are counted once.
+`persist` keeps XLA's executables on disk across processes (`serve`, `serve-bench`, `batch`)."""
 
 from __future__ import annotations
 
+import os
 import time
 from functools import partial
 
@@ -43,3 +45,17 @@ class CompileCache:
 
     def __len__(self) -> int:
         return len(self.executables)
+
+
+def persist(path: str | None) -> None:
+    """Keep XLA executables in `path` across processes (`--compile-cache`: None for
+    `$SPECJAX_CACHE/xla`, "none" for no disk cache): a server's warm-up compiles a few dozen, and a
+    batch job resumed after a kill, or run again, compiles what its last run did."""
+    if path == "none":
+        return
+    if path is None:
+        from specjax.models.loading import cache_root
+
+        path = os.path.join(cache_root(), "xla")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

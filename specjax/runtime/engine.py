@@ -176,14 +176,19 @@ class Engine:
         finally:
             self._held = None
 
-    def _prefilled(self, pre, weights, rows: RowInputs, key) -> tuple:
-        """The prefill's outputs for `rows` (held ones when `holding_prefills` kept them under `key`)."""
+    def _prefilled(self, pre, weights, rows: RowInputs, prompt_ids, static: dict) -> tuple:
+        """The prefill's outputs for `rows`: held ones when `holding_prefills` kept a prefill of the
+        same prompts at the same cache size (one that also returned a drafter's features serves a
+        plain decode, which reads only the cache and the last logits)."""
         cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pre.out_info[0]))
         if self._held is None or cache_bytes > HOLD_BYTES:
             return pre(weights, rows.prompt, rows.prompt_len)
-        if key not in self._held:
-            self._held[key] = pre(weights, rows.prompt, rows.prompt_len)
-        cache, *rest = self._held[key]
+        held = self._held.setdefault((tuple(map(tuple, prompt_ids)), static["cache_size"]), {})
+        want = (static["feature_layers"], static["want_final"])
+        if want not in held:
+            donor = next(iter(held.values()), None) if want == ((), False) else None
+            held[want] = (*donor[:2], None, None) if donor else pre(weights, rows.prompt, rows.prompt_len)
+        cache, *rest = held[want]
         return (jax.tree.map(jnp.copy, cache), *rest)
 
     def _get(self, name, fn, static: dict, donate: tuple, *args):
@@ -271,8 +276,7 @@ class Engine:
         abstract = (c_shape, l_shape, h_shape, f_shape)  # decode's inputs 3-6: the prefill's outputs
         dec = self._get("decode", _decode, dec_static, (2,), weights, dparams, *abstract, rows, policy)
         t0 = time.perf_counter()
-        held_key = (tuple(map(tuple, prompt_ids)), t, tuple(sorted(pre_static.items())))
-        cache, last_logits, features, final_hidden = self._prefilled(pre, weights, rows, held_key)
+        cache, last_logits, features, final_hidden = self._prefilled(pre, weights, rows, prompt_ids, pre_static)
         jax.block_until_ready(last_logits)
         t1 = time.perf_counter()
         st = dec(weights, dparams, cache, last_logits, features, final_hidden, rows, policy)

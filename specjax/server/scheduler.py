@@ -570,13 +570,3 @@ def build_scheduler(
         measure = cfg.costs_table() is None
     engine.warmup(measure=measure, log=log)
     return Scheduler(engine, cfg, eos_ids=model.config.eos_token_ids)
-
-
-def enable_compile_cache(path: str | None) -> None:
-    """Persist XLA executables across restarts (a server's warm-up compiles a few dozen)."""
-    if not path:
-        return
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
