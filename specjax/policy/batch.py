@@ -8,11 +8,11 @@ Settings:
   included) over a plain run's (`PROBE_TOKENS` tokens a row, after a short untimed run of each,
   all from one prefill per prefill shape); write both to `OUT.policy.json` before that batch
   writes a row. A class speculates only on a gain of at least 1 + `MARGIN`; its rows then follow
-  the per-row rule of rows.py; otherwise they
-  decode plainly, without the drafter. A verify pass is paid by the whole batch, and the per-row
-  rule prices a row's verify as if its batch-mates gained as much, so where the batch as a whole
-  does not gain, a few rows that do cannot carry it: on this CPU rows deciding alone made
-  EAGLE-3 at 32 rows decode at 0.41x plain and the n-gram drafter (K = 15) at 8 rows at 0.5x.
+  the per-row rule of rows.py; otherwise they decode plainly, without the drafter. A verify pass
+  is paid by the whole batch, and the per-row rule prices a row's verify as if its batch-mates
+  gained as much, so where the batch as a whole does not gain, a few rows that do cannot carry
+  it: on this CPU rows deciding alone made EAGLE-3 at 32 rows decode at 0.41x plain and the
+  n-gram drafter (K = 15) at 8 rows at 0.5x.
   A rerun after a kill reads the file, so every batch makes the same decisions (the per-row
   rule reads nothing else but the tokens the rows emit): resumed rows equal uninterrupted ones
   bit for bit, sampled rows too.

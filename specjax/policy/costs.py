@@ -103,8 +103,8 @@ def measure_gains(engine, prompt_ids, params, eos_ids, drafters: dict, labels: d
     """K -> (cost table, gain) for each candidate K -> drafter on these prompts: the cost table
     as `measure_costs` gives it and the gain, tokens per decode second of the drafter as it
     drafts (its own gates included) over plain decoding's (`PROBE_TOKENS` tokens a row, each run
-    `WARM_TOKENS` untimed first). `labels`: K -> the drafter's label (the cost cache's key); `rows`: count
-    the tokens of the first this many rows only (the rest pad the batch)."""
+    `WARM_TOKENS` untimed first). `labels`: K -> the drafter's label (the cost cache's key);
+    `rows`: count the tokens of the first this many rows only (the rest pad the batch)."""
     from specjax.drafters.base import NoDrafter
 
     def rate(d):  # ALWAYS: the compiled loop measure_costs timed

@@ -48,12 +48,12 @@ class CompileCache:
 
 
 def persist(path: str | None) -> None:
-    """Keep XLA executables in `path` across processes (`--compile-cache`: None for
+    """Keep XLA executables in `path` across processes (`--compile-cache`: None or empty for
     `$SPECJAX_CACHE/xla`, "none" for no disk cache): a server's warm-up compiles a few dozen, and a
-    batch job resumed after a kill, or run again, compiles what its last run did."""
+    batch job resumed after a kill, or run again, loads what its last run compiled."""
     if path == "none":
         return
-    if path is None:
+    if not path:
         from specjax.models.loading import cache_root
 
         path = os.path.join(cache_root(), "xla")

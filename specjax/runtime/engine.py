@@ -162,7 +162,7 @@ class Engine:
     @contextlib.contextmanager
     def holding_prefills(self):
         """Within it, `generate` keeps each batch's prefill outputs and reuses them when the same
-        prompts are prefilled again at the same shapes, instead of running the prefill again (the
+        prompts are prefilled again at the same cache size, instead of running the prefill again (the
         speculation policy's measuring runs decode one batch several times: at 32 rows a prefill
         costs as much as a dozen decode steps). Each decode gets its own copy of the cache, which it
         donates, so a held cache takes its memory twice: caches over `HOLD_BYTES` are not held.
