@@ -73,6 +73,13 @@ class Decision:
     gain: float = 1.0  # expected gain over K = 0 for the batch
 
 
+def batch_verify_share(shares) -> float:
+    """The share of a batch's steps that run the verify pass, from each row's share of steps on
+    which its drafter proposed: a step verifies when any row proposes, and rows are taken as
+    independent (1 - prod (1 - share), never below the busiest row's)."""
+    return 1.0 - math.prod(1.0 - s for s in shares)
+
+
 class Policy:
     """Chooses K for the next chunk (see the module docstring)."""
 
@@ -136,8 +143,7 @@ class Policy:
             return Decision(current_k, "no running rows")
         estimates = {c: e.lower(self.cfg.confidence_z) for c, e in estimates.items()}
         weight = {c: (self.cfg.interactive_weight if c == "interactive" and queued == 0 else 1.0) for c in present}
-        # the share of steps that verify: a step verifies when any row's drafter proposes
-        f = 1.0 - math.prod((1.0 - estimates[c].verified) ** rows[c] for c in present)
+        f = batch_verify_share(estimates[c].verified for c in present for _ in range(rows[c]))
 
         def value(k):
             toks = sum(

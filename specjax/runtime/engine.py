@@ -180,8 +180,7 @@ class Engine:
         """The prefill's outputs for `rows`: held ones when `holding_prefills` kept a prefill of the
         same prompts at the same cache size (one that also returned a drafter's features serves a
         plain decode, which reads only the cache and the last logits)."""
-        cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pre.out_info[0]))
-        if self._held is None or cache_bytes > HOLD_BYTES:
+        if self._held is None or sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pre.out_info[0])) > HOLD_BYTES:
             return pre(weights, rows.prompt, rows.prompt_len)
         held = self._held.setdefault((tuple(map(tuple, prompt_ids)), static["cache_size"]), {})
         want = (static["feature_layers"], static["want_final"])

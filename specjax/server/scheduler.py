@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from specjax.policy.chunks import Policy
+from specjax.policy.chunks import Policy, batch_verify_share
 from specjax.policy.costs import StepCosts
 from specjax.policy.monitor import AcceptanceMonitor, DecisionLog, Estimate
 from specjax.runtime.slots import STOP_WIDTH, SlotEngine
@@ -300,10 +300,7 @@ class Scheduler:
         if ran:
             self.metrics.step_seconds.set(seconds / ran, bucket=self.bucket, k=k)
         per_class = {c: AcceptanceStats() for c in LATENCY_CLASSES}
-        # Steps that ran the verify pass: a step verifies when any row's drafter proposes. The rows'
-        # counters give each row's share; taken as independent, the batch's share is
-        # 1 - prod (1 - share), never below the busiest row's (rounded, it holds that row's count).
-        idle = 1.0
+        shares = []  # each row's share of its steps that verified (`batch_verify_share`)
         for slot, req in enumerate(self.slots):
             if req is None:
                 continue
@@ -323,7 +320,7 @@ class Scheduler:
                 "accepted": accepted[slot].copy(),
             }
             req.run_steps += d.steps
-            idle *= 1.0 - d.verified / d.steps if d.steps else 1.0
+            shares.append(d.verified / d.steps if d.steps else 0.0)
             req.sample.add(d)
             if d.steps:
                 req.k_steps[k] += d.steps
@@ -332,7 +329,7 @@ class Scheduler:
             if done[slot]:
                 self._finish(req, "stop" if stopped[slot] else "length")
                 self.slots[slot] = None
-        verify_steps = round(ran * (1.0 - idle))
+        verify_steps = round(ran * batch_verify_share(shares))  # rounded, never below the busiest row's count
         if self.cfg.calibrate_costs:
             self.costs.observe(self.bucket, k, seconds, ran, verify_steps)
             for b in self.buckets:  # a (bucket, K) not run yet borrows the nearest bucket's calibration
