@@ -311,3 +311,59 @@ def test_tree_scores_are_the_training_log_probs_of_each_path(sharp_target, weigh
             seq[0, m[r] + 1 : m[r] + 1 + len(path)] = path
             want = path_logp(jnp.asarray(seq), int(m[r]), jnp.asarray(path + [0] * (DEPTH - len(path))), len(path))
             np.testing.assert_allclose(float(scores[r, i]), float(want), atol=2e-4)
+
+
+def test_served_with_plain_chunks_stays_lossless_and_current(sharp_target, trained):
+    """Served with ks [0, 3], MTP's plain chunks run its K = 3 variant with no row verifying and
+    its commits deferred: over K switches (runs of plain chunks long enough for the wide catch-up),
+    preemption and bucket resizes, greedy rows equal plain decoding and keep accepting drafts;
+    after a catch-up the drafter's state equals a fresh prefill's of the same history."""
+    from specjax.runtime.slots import SlotEngine
+    from specjax.runtime.step import catch_up, pending_width
+    from specjax.server.config import ServingConfig
+    from specjax.server.scheduler import Request, Scheduler
+
+    task, params, _, _ = trained
+    drafter = MTPDrafter(DEPTH, mtp.MTPWeights(task.cfg, task.graphdef, params), sharp_target)
+    with pytest.raises(DrafterError, match="one K > 0 and 0 for plain steps"):
+        SlotEngine(sharp_target, drafter, ks=(0, 2, 3))
+    e = SlotEngine(sharp_target, drafter, ks=(0, DEPTH), buckets=(1, 2), max_seq_len=96)
+    e.warmup(measure=False)
+    rng = np.random.RandomState(5)
+    prompts = [rng.randint(0, 256, n).tolist() for n in (5, 11, 3, 8)]
+    sp = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    plain = [r.token_ids for r in Engine(sharp_target).generate(prompts, [sp] * 4)]
+    ks = iter(([0] * 9 + [DEPTH, 0, DEPTH, DEPTH]) * 100)  # 36 plain steps in a row: a wide catch-up
+    cfg = ServingConfig(buckets=(1, 2), ks=(0, DEPTH), chunk_steps=4, step_costs={1: {0: 1, 3: 1}, 2: {0: 1, 3: 1}})
+    sched = Scheduler(e, cfg.validate(), k_override=lambda b, rows: next(ks))
+    reqs = []
+    for i, p in enumerate(prompts):
+        reqs.append(sched.submit(Request(p, sp, "interactive" if i == 3 else "batch")))
+        for _ in range(3):
+            sched.iteration()
+    for _ in range(500):
+        if all(r.done.is_set() for r in reqs):
+            break
+        sched.iteration()
+    assert [r.token_ids for r in reqs] == plain
+    assert all(set(r.k_steps) == {0, DEPTH} for r in reqs) and sum(r.sample.accepted.sum() for r in reqs) > 0
+    assert sum(r.preemptions for r in reqs) > 0 and e.compiles_after_warmup == 0
+
+    st = e.insert(e.empty(1), 0, e.prefill(prompts[1], SamplingParams(max_new_tokens=80, ignore_eos=True)))
+    for k, n in ((DEPTH, 3), (0, 40), (DEPTH, 2), (0, 5)):
+        st, _ = e.run_chunk(st, k, n)
+    assert int(st.pending.count[0]) >= 6  # the last verify step's tokens and 5 plain ones
+    p = pending_width(drafter)
+    dstate, _ = catch_up(drafter, e.dparams, st.draft_state, st.pending, st.history, st.hist_len, p)
+    h = int(st.hist_len[0])
+    hist = np.asarray(st.history)[0, :h].tolist()
+    fresh = e.prefill(hist[:-1], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert int(np.asarray(fresh.history)[0, h - 1]) == hist[-1]
+    a, b = dstate, fresh.draft_state
+    assert int(a.m[0]) == int(b.m[0]) == h - 1
+    c = int(a.cache.lengths[0])
+    assert c == int(b.cache.lengths[0]) == h - 1 - drafter.window
+    for j in range(DEPTH):
+        np.testing.assert_allclose(a.cache.k[j][:, :c], b.cache.k[j][:, :c], atol=2e-4)
+        np.testing.assert_allclose(a.cache.v[j][:, :c], b.cache.v[j][:, :c], atol=2e-4)
+    np.testing.assert_allclose(a.fin[:, : h - 1 - c], b.fin[:, : h - 1 - c], atol=2e-4)

@@ -370,3 +370,15 @@ def test_load_sweep_point_and_summary(engine, target, prompts):
     summary = loadbench.summarize(points)
     assert [s["clients"] for s in summary] == [1, 2] and all("rules_vs_best_fixed" in s for s in summary)
     loadbench.print_points({"model": "tiny", "drafter": "ngram", "ks": [3], "buckets": [1, 2], "points": points})
+
+
+def test_load_sweep_stops_on_failed_requests(engine, prompts):
+    """A load point whose requests failed is an error, not a throughput figure."""
+    from specjax.bench import loadbench
+
+    sched = Scheduler(engine, config(), k_override=lambda b, rows: 5).start()  # K = 5 was never compiled
+    try:
+        with pytest.raises(RuntimeError, match=r"4 of 4 requests failed \(rules, 2 clients\): internal error"):
+            loadbench.run_point(sched, 2, 4, {"interactive": prompts[:2], "batch": prompts[2:4]}, 8, 0.5)
+    finally:
+        sched.stop()

@@ -286,5 +286,9 @@ def test_policy_yaml_example_loads(tmp_path):
     assert cfg.monitor.probe_gain >= cfg.monitor.on_above
     with pytest.raises(SpecjaxError, match="tree_topk >= 1"):
         load_config(None, tree_topk=0)
+    for policy in ("rules", "never"):  # both run plain chunks (serve-bench modes are checked the same way)
+        with pytest.raises(SpecjaxError, match=f"policy '{policy}' runs plain chunks, so ks must include 0"):
+            load_config(None, ks=[3], policy=policy)
+    assert load_config(None, ks=[3], policy="always").ks == (3,)
     with pytest.raises(SpecjaxError, match="probe_gain >= on_above"):
         ServingConfig(monitor=MonitorConfig(on_above=1.2, probe_gain=1.1)).validate()

@@ -90,7 +90,8 @@ def run_order(modes: list[str], rep: int) -> list[str]:
 def start_modes(engine: SlotEngine, cfg: ServingConfig, eos_ids, modes) -> dict[str, Scheduler]:
     """One running scheduler per mode, kept for the whole sweep: a server whose offered load
     changes, so the rules' monitor and cost calibration carry over from point to point."""
-    return {m: Scheduler(engine, dataclasses.replace(cfg, policy=m), eos_ids=eos_ids).start() for m in modes}
+    cfgs = {m: dataclasses.replace(cfg, policy=m).validate() for m in modes}  # before any starts
+    return {m: Scheduler(engine, c, eos_ids=eos_ids).start() for m, c in cfgs.items()}
 
 
 def run_point(
@@ -157,6 +158,10 @@ def run_point(
         "compiles": sched.engine.compiles_after_warmup - compiles0,
         "decisions": decisions,
     }
+    failed = [r for r in done if r.finish_reason == "error"]
+    if failed:  # a failed request's figures are not throughput: stop the sweep
+        what = f"{len(failed)} of {len(done)} requests failed ({mode}, {clients} clients)"
+        raise RuntimeError(f"{what}: {failed[0].error}")
     row["tokens_per_second"] = row["tokens"] / wall
     for cls in ("interactive", "batch"):
         rs = [r for r in done if r.latency_class == cls]

@@ -39,8 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-# `mode`: decide per row | verify whenever the drafter wants | time verify | time declined steps
-AUTO, ALWAYS, FORCE, IDLE = 0, 1, 2, 3
+# `mode`: decide per row | verify whenever the drafter wants | time verify | time declined steps |
+# no row verifies and the drafter does not propose (the slot engine's plain chunks of a drafter
+# whose commits it defers: specjax/runtime/slots.py)
+AUTO, ALWAYS, FORCE, IDLE, OFF = 0, 1, 2, 3, 4
 MAX_WAIT = 128  # the default longest wait (in the row's steps) between probes
 # The default share of a row's steps that its failed probes may lose: a row that turns off waits
 # at least (expected loss of a step with it on) / PROBE_LOSS steps. A drafter far from paying (loss
@@ -57,7 +59,7 @@ NEVER = np.iinfo(np.int32).max  # `resume` of rows whose table says no verify ca
 @struct.dataclass
 class RowPolicy:
     costs: jax.Array  # [K + 1] f32, cost of verifying L drafts in plain steps (costs[0]: a declined step)
-    mode: jax.Array  # [] int32: AUTO | ALWAYS | FORCE | IDLE
+    mode: jax.Array  # [] int32: AUTO | ALWAYS | FORCE | IDLE | OFF
     max_wait: jax.Array  # [] int32, the longest wait between probes
     probe_loss: jax.Array  # [] f32, the share of the row's steps its failed probes may lose
     accepted: jax.Array  # [B] f32, decayed accepted drafts
@@ -97,8 +99,9 @@ def new_policy(b: int, costs: np.ndarray, mode: int, probe_wait: tuple[int, floa
 def plan(pol: RowPolicy, live: jax.Array, steps: jax.Array) -> jax.Array:
     """live [B] bool, steps [B] int32 (the rows' step counts) -> [B] bool: rows that may verify
     this step (the drafter still decides whether its drafts are worth it, e.g. the n-gram match or
-    EAGLE-3's gate). IDLE: none (the drafter still proposes: `draft` in runtime/step.py)."""
-    return live & (pol.mode != IDLE) & ((pol.mode != AUTO) | (steps >= pol.resume))
+    EAGLE-3's gate). IDLE and OFF: none (under IDLE the drafter still proposes: `draft` in
+    runtime/step.py)."""
+    return live & (pol.mode != IDLE) & (pol.mode != OFF) & ((pol.mode != AUTO) | (steps >= pol.resume))
 
 
 def expected_tokens(alpha: jax.Array, width: jax.Array) -> jax.Array:

@@ -27,7 +27,11 @@ feature) and the draft model (its cache; its `commit` feeds the token a plain st
 not depend on K, and `decode_step` runs the drafter's `commit` at K = 0 too, so the state is
 current when speculation resumes. The MTP drafter's state does depend on K (its window, and
 module k's cache is only kept current by steps with K >= k); re-initialising it on a switch
-would need a target pass over the whole history, so it is served at one fixed K (`ks = [K]`).
+would need a target pass over the whole history, so it is served at one K > 0 (`ks = [K]` or
+`[0, K]`), and its K = 0 chunks run its K variant with no row verifying and its commits
+deferred (`Pending`, specjax/runtime/step.py; the row policy's `OFF` mode): its state stays the
+K variant's, and the tokens of the plain steps are committed in one pass, before the next
+proposal or every `PENDING_STEPS` steps.
 """
 
 from __future__ import annotations
@@ -43,9 +47,10 @@ from flax import nnx
 from specjax.drafters.base import Drafter, NoDrafter
 from specjax.errors import DrafterError
 from specjax.models.loading import Model
+from specjax.policy.rows import ALWAYS, OFF, new_policy
 from specjax.runtime.compile_cache import CompileCache
 from specjax.runtime.engine import _prefill, bucket_multiple, bucket_pow2
-from specjax.runtime.step import LoopState, RowInputs, decode_step, init_state
+from specjax.runtime.step import PENDING_STEPS, LoopState, RowInputs, decode_step, init_state
 from specjax.sampling import SamplingArrays, SamplingParams
 
 STOP_WIDTH = 8  # stop ids per row: EOS ids + the request's own stop_token_ids
@@ -65,8 +70,14 @@ def _take_row(big, like, slot):
     return jax.lax.dynamic_slice_in_dim(v, slot, 1, axis=0)[0]
 
 
-def _prefill_row(params, dparams, rows: RowInputs, *, graphdef, cache_size, drafter, stat_width):
-    """One request's `RowInputs` (prompt `[1, T]`) -> a one-row LoopState."""
+def _row_policy(b: int, drafter: Drafter, mode: int):
+    """The policy state a deferring engine's chunk runs under: every row in `mode` (ALWAYS or OFF)."""
+    return new_policy(b, np.zeros(drafter.accept_width + 1, np.float32), mode)
+
+
+def _prefill_row(params, dparams, rows: RowInputs, *, graphdef, cache_size, drafter, stat_width, defer):
+    """One request's `RowInputs` (prompt `[1, T]`) -> a one-row LoopState (with an empty
+    `Pending` when `defer`; the policy is attached per chunk, so every leaf stays batch-major)."""
     cache, logits, features, final_hidden = _prefill(
         graphdef,
         params,
@@ -86,7 +97,8 @@ def _prefill_row(params, dparams, rows: RowInputs, *, graphdef, cache_size, draf
         drafter=drafter,
         all_greedy=False,
         stat_width=stat_width,
-    )
+        policy=_row_policy(1, drafter, ALWAYS) if defer else None,
+    ).replace(policy=None)
 
 
 def _insert(state, slot, row):
@@ -97,12 +109,17 @@ def _extract(state, slot, like):
     return jax.tree.map(lambda b, s: _take_row(b, s, slot), state, like)
 
 
-def _run_chunk(params, dparams, state, n_steps, exit_on_finish, force_verify, *, graphdef, drafter, implementation):
+def _run_chunk(
+    params, dparams, state, n_steps, exit_on_finish, force_verify, *, graphdef, drafter, implementation, mode
+):
     """Up to `n_steps` steps; stops early when every row is done or, with `exit_on_finish`, as
-    soon as a row finishes. `force_verify` (warm-up timing only) verifies every step. Returns
-    the state and the number of steps run."""
+    soon as a row finishes. `force_verify` (warm-up timing only) verifies every step. `mode`
+    (static): None, or the row policy's mode every row runs in (ALWAYS: speculate; OFF: plain
+    steps, commits deferred). Returns the state and the number of steps run."""
     model = nnx.merge(graphdef, params)
     done0 = state.done  # [B]
+    if mode is not None:
+        state = state.replace(policy=_row_policy(done0.shape[0], drafter, mode))
 
     def cond(c):
         i, st = c
@@ -122,7 +139,7 @@ def _run_chunk(params, dparams, state, n_steps, exit_on_finish, force_verify, *,
         )
 
     steps, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
-    return state, steps
+    return state.replace(policy=None), steps
 
 
 class SlotEngine:
@@ -143,11 +160,14 @@ class SlotEngine:
             raise ValueError(f"K values must be >= 0, got {ks}")
         if self.ks[-1] > 0 and isinstance(drafter, NoDrafter):
             raise ValueError("K > 0 needs a drafter")
-        if drafter.k_dependent_state and (len(self.ks) != 1 or self.ks[0] == 0):
+        spec_ks = [k for k in self.ks if k > 0]
+        if drafter.k_dependent_state and len(spec_ks) != 1:
             raise DrafterError(
-                f"the {drafter.name} drafter's state depends on K, so it cannot switch K "
-                f"between chunks: serve it with one K > 0 (e.g. ks: [{drafter.num_draft}])"
+                f"the {drafter.name} drafter's state depends on K, so it cannot switch between "
+                f"draft sizes: serve it with one K > 0 and 0 for plain steps (e.g. ks: [0, {drafter.num_draft}])"
             )
+        # K = 0 chunks of such a drafter run its K variant with commits deferred (module doc)
+        self.defer = drafter.k_dependent_state
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"batch buckets must be >= 1, got {buckets}")
@@ -230,6 +250,7 @@ class SlotEngine:
             cache_size=self.cache_size,
             drafter=self.variants[self.kmax],
             stat_width=self.stat_width,
+            defer=self.defer,
         )
         return self._get("prefill", _prefill_row, static, (), *args)(*args)
 
@@ -243,6 +264,7 @@ class SlotEngine:
                 cache_size=self.cache_size,
                 drafter=self.variants[self.kmax],
                 stat_width=self.stat_width,
+                defer=self.defer,
             )
             self._row_like = jax.eval_shape(fn, *args)
         return self._row_like
@@ -270,11 +292,19 @@ class SlotEngine:
         fn = self._get("extract", partial(_extract, like=like), {}, (), state, jnp.int32(slot))
         return fn(state, jnp.int32(slot))
 
+    def _chunk_static(self, k: int) -> dict:
+        """The static arguments of a K chunk: the K variant, or for a deferring engine the one
+        K > 0 variant, speculating (ALWAYS) or, at K = 0, plain with commits deferred (OFF)."""
+        if self.defer:
+            drafter, mode = self.variants[self.kmax], (ALWAYS if k else OFF)
+        else:
+            drafter, mode = self.variants[k], None
+        return dict(graphdef=self.model.graphdef, drafter=drafter, implementation=self.implementation, mode=mode)
+
     def run_chunk(self, state: LoopState, k: int, n_steps: int, exit_on_finish: bool = False):
         """-> (state, steps run). The state is donated: use only the returned one."""
-        static = dict(graphdef=self.model.graphdef, drafter=self.variants[k], implementation=self.implementation)
         args = (self.params, self.dparams, state, jnp.int32(n_steps), jnp.asarray(exit_on_finish), jnp.asarray(False))
-        state, steps = self._get("chunk", _run_chunk, static, (2,), *args)(*args)
+        state, steps = self._get("chunk", _run_chunk, self._chunk_static(k), (2,), *args)(*args)
         return state, int(steps)
 
     def resize(self, state: LoopState, slots: list[int], b: int) -> LoopState:
@@ -301,10 +331,9 @@ class SlotEngine:
         """(seconds per step, fraction of row-steps that verified) of one chunk of B live rows,
         every step verifying K + 1 tokens (`force_verify`: the n-gram drafter would skip
         verification without a match and time plain steps instead)."""
-        static = dict(graphdef=self.model.graphdef, drafter=self.variants[k], implementation=self.implementation)
         state = self._timing_state(b, k)
         args = (self.params, self.dparams, state, jnp.int32(steps), jnp.asarray(False), jnp.asarray(k > 0))
-        exe = self._get("chunk", _run_chunk, static, (2,), *args)
+        exe = self._get("chunk", _run_chunk, self._chunk_static(k), (2,), *args)
         # The prefill and B inserts that built `state` were dispatched asynchronously: wait for
         # them, so that their tail is not timed as part of the chunk.
         jax.block_until_ready(args)
@@ -338,7 +367,9 @@ class SlotEngine:
                 continue
             for rnd in range(reps + 1):  # round 0 compiles and warms
                 for k in self.ks:
-                    cost, verified = self._time_chunk(b, k, time_steps)
+                    # a deferring engine's plain steps pay their catch-up pass once per PENDING_STEPS
+                    n = PENDING_STEPS + 1 if self.defer and not k else time_steps
+                    cost, verified = self._time_chunk(b, k, n)
                     if rnd and cost < self.step_costs.setdefault(b, {}).get(k, float("inf")):
                         self.step_costs[b][k] = cost
                         self.timing_verified.setdefault(b, {})[k] = verified

@@ -69,6 +69,8 @@ class ServingConfig:
             bad(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.policy not in POLICIES:
             bad(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.policy in ("rules", "never") and 0 not in self.ks:
+            bad(f"policy {self.policy!r} runs plain chunks, so ks must include 0, got {list(self.ks)}")
         if self.policy == "schedule" and not self.schedule:
             bad("policy 'schedule' needs a schedule: a list of {max_batch, k}")
         for rows, k in self.schedule:
