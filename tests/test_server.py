@@ -25,7 +25,7 @@ from specjax.runtime.slots import SlotEngine
 from specjax.sampling import SamplingParams
 from specjax.server.app import ServerThread, build_app
 from specjax.server.config import ServingConfig
-from specjax.server.scheduler import Scheduler, build_scheduler
+from specjax.server.scheduler import Request, Scheduler, build_scheduler
 
 openai = pytest.importorskip("openai")
 
@@ -78,6 +78,29 @@ def server(chat_dir):
     yield types.SimpleNamespace(url=srv.url, sched=sched, model=model, dir=chat_dir)
     srv.stop()
     sched.stop()
+
+
+def test_build_scheduler_serves_a_draft_model_as_token_trees(chat_dir):
+    """The server's drafter spec reaches `make_drafter` whole: a draft model (the target as its
+    own draft) served as trees of 2 children per node, greedy output equal to plain decoding."""
+    from specjax.drafters.draft_model import DraftModelDrafter
+
+    model = specjax.load_model(chat_dir, dtype="float32")
+    cfg = ServingConfig(
+        buckets=(1,), ks=(0, 4), tree_topk=2, max_seq_len=64, policy="always", step_costs={1: {0: 1, 4: 1}}
+    )
+    sched = build_scheduler(model, f"draft:{chat_dir}", cfg.validate())
+    variant = sched.engine.variants[4]
+    assert isinstance(variant, DraftModelDrafter) and variant.tree_topk == 2 and variant.tree_depth == 4
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    req = sched.submit(Request([5, 6, 7, 8], sp, "batch"))
+    sched.start()
+    try:
+        assert req.done.wait(120) and req.finish_reason == "length"
+    finally:
+        sched.stop()
+    assert req.token_ids == Engine(model).generate([[5, 6, 7, 8]], [sp])[0].token_ids
+    assert req.k_steps[4] > 0 and req.sample.accepted.sum() > 0
 
 
 def client(url: str, key: str = "sk-test"):

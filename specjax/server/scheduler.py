@@ -559,7 +559,11 @@ def build_scheduler(
     from specjax.drafters import make_drafter
 
     ks = cfg.ks if (drafter or "none") != "none" else (0,)
-    family = make_drafter(drafter, max(ks), model, cfg.tree_topk, cfg.tree_depth) if max(ks) > 0 else None
+    family = (
+        make_drafter(drafter, max(ks), model, tree_topk=cfg.tree_topk, tree_depth=cfg.tree_depth)
+        if max(ks) > 0
+        else None
+    )
     engine = SlotEngine(
         model, family, ks=ks, buckets=cfg.buckets, max_seq_len=cfg.max_seq_len, implementation=implementation
     )
