@@ -109,7 +109,7 @@ def sampling_from_args(a):
 
 
 def add_serving_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default="ngram", help=f"{drafter_specs(' | ')} (mtp: one K > 0, e.g. --ks 0,3)")
+    p.add_argument("--drafter", default="ngram", help=f"{drafter_specs(' | ')} (mtp: serves at the largest K and 0)")
     p.add_argument("--config", default=None, help="serving config YAML, e.g. configs/serving-policy.yaml")
     p.add_argument(
         "--policy",

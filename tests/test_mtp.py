@@ -313,29 +313,33 @@ def test_tree_scores_are_the_training_log_probs_of_each_path(sharp_target, weigh
             np.testing.assert_allclose(float(scores[r, i]), float(want), atol=2e-4)
 
 
-def test_served_with_plain_chunks_stays_lossless_and_current(sharp_target, trained):
-    """Served with ks [0, 3], MTP's plain chunks run its K = 3 variant with no row verifying and
-    its commits deferred: over K switches (runs of plain chunks long enough for the wide catch-up),
-    preemption and bucket resizes, greedy rows equal plain decoding and keep accepting drafts;
-    after a catch-up the drafter's state equals a fresh prefill's of the same history."""
+def test_served_with_plain_chunks_stays_lossless_and_current(sharp_target, trained, tmp_path):
+    """The server serves MTP at one K and plain steps (ks 0..3 -> [0, 3]); its plain chunks run
+    its K = 3 variant with no row verifying and its commits deferred: over K switches (runs of
+    plain chunks long enough for the wide catch-up), preemption and bucket resizes, greedy rows
+    equal plain decoding and keep accepting drafts; after a catch-up the drafter's state equals a
+    fresh prefill's of the same history."""
     from specjax.runtime.slots import SlotEngine
     from specjax.runtime.step import catch_up, pending_width
     from specjax.server.config import ServingConfig
-    from specjax.server.scheduler import Request, Scheduler
+    from specjax.server.scheduler import Request, Scheduler, build_scheduler
 
     task, params, _, _ = trained
-    drafter = MTPDrafter(DEPTH, mtp.MTPWeights(task.cfg, task.graphdef, params), sharp_target)
+    path = task.export(params, str(tmp_path / "mtp"))
+    costs = {b: {k: 1.0 for k in range(DEPTH + 1)} for b in (1, 2)}
+    cfg = ServingConfig(buckets=(1, 2), chunk_steps=4, max_seq_len=96, step_costs=costs).validate()
+    said = []
+    e = build_scheduler(sharp_target, f"mtp:{path}", cfg, log=said.append).engine
+    assert cfg.ks == (0, 1, 2, 3) and e.ks == (0, DEPTH) and f"K in [0, {DEPTH}]" in said[0]
+    drafter = e.drafter
     with pytest.raises(DrafterError, match="one K > 0 and 0 for plain steps"):
         SlotEngine(sharp_target, drafter, ks=(0, 2, 3))
-    e = SlotEngine(sharp_target, drafter, ks=(0, DEPTH), buckets=(1, 2), max_seq_len=96)
-    e.warmup(measure=False)
     rng = np.random.RandomState(5)
     prompts = [rng.randint(0, 256, n).tolist() for n in (5, 11, 3, 8)]
     sp = SamplingParams(max_new_tokens=64, ignore_eos=True)
     plain = [r.token_ids for r in Engine(sharp_target).generate(prompts, [sp] * 4)]
     ks = iter(([0] * 9 + [DEPTH, 0, DEPTH, DEPTH]) * 100)  # 36 plain steps in a row: a wide catch-up
-    cfg = ServingConfig(buckets=(1, 2), ks=(0, DEPTH), chunk_steps=4, step_costs={1: {0: 1, 3: 1}, 2: {0: 1, 3: 1}})
-    sched = Scheduler(e, cfg.validate(), k_override=lambda b, rows: next(ks))
+    sched = Scheduler(e, cfg, k_override=lambda b, rows: next(ks))
     reqs = []
     for i, p in enumerate(prompts):
         reqs.append(sched.submit(Request(p, sp, "interactive" if i == 3 else "batch")))

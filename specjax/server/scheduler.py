@@ -564,6 +564,12 @@ def build_scheduler(
         if max(ks) > 0
         else None
     )
+    if family is not None and family.k_dependent_state and sum(k > 0 for k in ks) > 1 and cfg.policy != "schedule":
+        # a drafter whose state follows K (MTP) serves at one K: the largest, and plain steps
+        ks = tuple(k for k in ks if k in (0, max(ks)))
+        cfg = dataclasses.replace(cfg, ks=ks)
+        if log:
+            log(f"the {family.name} drafter keeps state per draft size: K in {list(ks)}")
     engine = SlotEngine(
         model, family, ks=ks, buckets=cfg.buckets, max_seq_len=cfg.max_seq_len, implementation=implementation
     )
